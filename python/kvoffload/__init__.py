@@ -1,0 +1,84 @@
+"""kvoffload: vLLM's scheduler-side CPU offloading manager with a Rust core.
+
+``CPUOffloadingManager`` is the Rust-backed manager; ``kvoffload.reference`` holds the same
+manager in plain Python, the baseline it is tested and benchmarked against.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvoffload.errors import (
+    DuplicateKeyError,
+    InvalidArgumentError,
+    InvalidKeyError,
+    InvariantViolation,
+    KeyStateError,
+    KVOffloadError,
+    RequestFinishedError,
+    UnsupportedPolicyError,
+)
+from kvoffload.types import (
+    CacheHitSource,
+    CPULoadStoreSpec,
+    CPUOffloadingMetrics,
+    LoadStoreSpec,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingStats,
+    OffloadKey,
+    OffloadPolicy,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    get_offload_block_hash,
+    get_offload_group_idx,
+    make_offload_key,
+)
+
+if TYPE_CHECKING:
+    from kvoffload.manager import CPUOffloadingManager
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPULoadStoreSpec",
+    "CPUOffloadingManager",
+    "CPUOffloadingMetrics",
+    "CacheHitSource",
+    "DuplicateKeyError",
+    "InvalidArgumentError",
+    "InvalidKeyError",
+    "InvariantViolation",
+    "KVOffloadError",
+    "KeyStateError",
+    "LoadStoreSpec",
+    "Locality",
+    "LookupResult",
+    "Medium",
+    "OffloadKey",
+    "OffloadPolicy",
+    "OffloadingEvent",
+    "OffloadingStats",
+    "PrepareStoreOutput",
+    "ReqContext",
+    "RequestFinishedError",
+    "RequestOffloadingContext",
+    "UnsupportedPolicyError",
+    "__version__",
+    "get_offload_block_hash",
+    "get_offload_group_idx",
+    "make_offload_key",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The native extension loads on first use, so `kvoffload.reference` and the types stay
+    # importable (and cheap) without it.
+    if name == "CPUOffloadingManager":
+        from kvoffload.manager import CPUOffloadingManager
+
+        return CPUOffloadingManager
+    raise AttributeError(f"module 'kvoffload' has no attribute {name!r}")

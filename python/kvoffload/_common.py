@@ -1,0 +1,111 @@
+"""Pieces both managers share: policy-name resolution, stats assembly, config info, events."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from kvoffload.errors import InvalidArgumentError, UnsupportedPolicyError
+from kvoffload.types import CPUOffloadingMetrics, Medium, OffloadingEvent, OffloadingStats
+
+#: The policies built into kvoffload; a registered name wins over a module path.
+BUILTIN_POLICIES: tuple[str, ...] = ("lru", "arc")
+
+
+def resolve_policy(name: str, module_path: str | None) -> str | type:
+    """Return a built-in policy name, or the class named ``name`` imported from ``module_path``."""
+    if not isinstance(name, str):
+        raise UnsupportedPolicyError(f"cache_policy must be a str, got {type(name).__name__}")
+    if name in BUILTIN_POLICIES:
+        return name
+    if module_path is None:
+        raise UnsupportedPolicyError(
+            f"Unknown cache policy: {name!r}. Supported: {list(BUILTIN_POLICIES)}. "
+            "For an out-of-tree policy, also set cache_policy_module_path."
+        )
+    module = importlib.import_module(module_path)
+    try:
+        policy_cls: type = getattr(module, name)
+    except AttributeError:
+        raise UnsupportedPolicyError(
+            f"module {module_path!r} has no cache policy class {name!r}"
+        ) from None
+    return policy_cls
+
+
+def check_constructor_args(
+    num_chunks: object, store_threshold: object, max_tracker_size: object
+) -> None:
+    """Reject the constructor values kvoffload treats as illegal (vLLM accepts them silently)."""
+    for label, value in (
+        ("num_chunks", num_chunks),
+        ("store_threshold", store_threshold),
+        ("max_tracker_size", max_tracker_size),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgumentError(f"{label} must be an int, got {type(value).__name__}")
+    assert isinstance(num_chunks, int)
+    assert isinstance(store_threshold, int)
+    assert isinstance(max_tracker_size, int)
+    if num_chunks < 0:
+        raise InvalidArgumentError(f"num_chunks must be >= 0, got {num_chunks}")
+    if num_chunks > 2**31 - 1:
+        raise InvalidArgumentError(f"num_chunks must fit an int32 chunk id, got {num_chunks}")
+    if store_threshold < 0:
+        raise InvalidArgumentError(f"store_threshold must be >= 0, got {store_threshold}")
+    if store_threshold >= 2 and max_tracker_size < 1:
+        raise InvalidArgumentError(
+            f"max_tracker_size must be >= 1 when store_threshold >= 2, got {max_tracker_size}"
+        )
+
+
+def config_info_of(info: object) -> dict[str, Any]:
+    """One mapping of ``info``'s fields, with None values shown as the string "None"."""
+    if info is None:
+        return {}
+    if hasattr(info, "as_config_info"):
+        return dict(info.as_config_info())
+    if dataclasses.is_dataclass(info) and not isinstance(info, type):
+        items = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+    elif isinstance(info, Mapping):
+        items = dict(info)
+    else:
+        raise InvalidArgumentError(
+            f"info must be a dataclass, a mapping or have as_config_info(), "
+            f"got {type(info).__name__}"
+        )
+    return {k: "None" if v is None else v for k, v in items.items()}
+
+
+def build_stats(
+    num_chunks: int,
+    num_used: int,
+    num_pending: int,
+    allocation_sizes: list[int],
+    stores_skipped: int | None,
+) -> OffloadingStats:
+    """Assemble the stats payload in vLLM's metric order from the manager's raw counters."""
+    stats = OffloadingStats()
+    usage = num_used / num_chunks if num_chunks > 0 else 0.0
+    stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
+    for size in allocation_sizes:
+        stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+    write_usage = num_pending / num_chunks if num_chunks > 0 else 0.0
+    read_usage = max(usage - write_usage, 0.0)
+    stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write_usage)
+    stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, read_usage)
+    if stores_skipped is not None:
+        stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, stores_skipped)
+    return stats
+
+
+def stored_event(keys: list[bytes]) -> OffloadingEvent:
+    """A "stored" event for ``keys``."""
+    return OffloadingEvent(keys=keys, medium=Medium.CPU, removed=False)
+
+
+def removed_event(keys: list[bytes], *, metadata_only: bool) -> OffloadingEvent:
+    """A removal event for ``keys`` (``metadata_only`` for the cleanup of a failed store)."""
+    return OffloadingEvent(keys=keys, medium=Medium.CPU, removed=True, metadata_only=metadata_only)

@@ -1,0 +1,37 @@
+"""Shared fixtures: every contract test runs against the Rust manager and the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+IMPLS = ("rust", "reference")
+
+
+def manager_class(impl: str) -> type:
+    """The manager class of one implementation."""
+    if impl == "rust":
+        from kvoffload import CPUOffloadingManager
+
+        return CPUOffloadingManager
+    from kvoffload.reference import CPUOffloadingManager as ReferenceManager
+
+    return ReferenceManager
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def make_manager(impl: str) -> Callable[..., Any]:
+    """``make_manager(num_chunks, **kwargs)`` builds a manager of the current implementation."""
+    cls = manager_class(impl)
+
+    def make(num_chunks: int, **kwargs: Any) -> Any:
+        return cls(num_chunks, **kwargs)
+
+    return make
