@@ -1,0 +1,385 @@
+"""``kvoffload bench``: the Rust manager and the pure-Python reference, side by side.
+
+Both run the same seeded workload (``kvoffload.workload``) in the same process, for each policy;
+the table gives the hit rate and the manager's nanoseconds per key for each call kind, and the
+speed-up of every implementation over the reference. Behaviour is exact, so every implementation
+must get the same answers (same digest): if one does not, the bench says so loudly and fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvoffload.workload import CALL_KINDS, ReplayResult, Workload, WorkloadConfig, generate, replay
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "POLICIES",
+    "BenchRun",
+    "add_arguments",
+    "format_table",
+    "load_implementation",
+    "main",
+    "run",
+]
+
+#: Implementations by name: "module:attribute" of the manager class. The reference is the baseline
+#: of every speed-up; any other "module:attribute" can also be passed to ``--impls``.
+IMPLEMENTATIONS: dict[str, str] = {
+    "reference": "kvoffload.reference:CPUOffloadingManager",
+    "rust": "kvoffload:CPUOffloadingManager",
+}
+BASELINE = "reference"
+POLICIES: tuple[str, ...] = ("lru", "arc")
+
+#: The call kinds shown in the table (``events`` only when ``--events`` is on).
+TABLE_KINDS: tuple[str, ...] = tuple(k for k in CALL_KINDS if k != "events")
+
+
+@dataclass
+class BenchRun:
+    """One implementation under one policy: the best of its repeats."""
+
+    policy: str
+    impl: str
+    result: ReplayResult
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the run as a JSON-ready mapping."""
+        return {"policy": self.policy, "impl": self.impl, **self.result.to_json()}
+
+
+def load_implementation(name: str) -> type:
+    """Import the manager class named ``name`` (a key of IMPLEMENTATIONS or "module:attr")."""
+    target = IMPLEMENTATIONS.get(name, name)
+    module_name, sep, attr = target.partition(":")
+    if not sep:
+        raise ValueError(f"unknown implementation {name!r}: use one of {list(IMPLEMENTATIONS)}")
+    cls = getattr(importlib.import_module(module_name), attr)
+    if not isinstance(cls, type):
+        raise TypeError(f"{target} is not a class")
+    return cls
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the options of ``kvoffload bench``."""
+    defaults = WorkloadConfig()
+    parser.add_argument(
+        "--requests", type=int, default=defaults.requests, help="requests to replay (%(default)s)"
+    )
+    parser.add_argument(
+        "--chunks", type=int, default=8192, help="host-pool size in chunks (%(default)s)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=defaults.seed, help="workload seed (%(default)s)"
+    )
+    parser.add_argument(
+        "--kv-groups", type=int, default=defaults.kv_groups, help="KV-cache groups (%(default)s)"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=defaults.concurrency,
+        help="requests running at once (%(default)s)",
+    )
+    parser.add_argument(
+        "--lookup",
+        choices=("prefix", "single"),
+        default=defaults.lookup_mode,
+        help="prefix: lookup_prefix per request; single: lookup per key, as vLLM (%(default)s)",
+    )
+    parser.add_argument(
+        "--policies", type=_csv, default=list(POLICIES), help="comma-separated (lru,arc)"
+    )
+    parser.add_argument(
+        "--impls",
+        type=_csv,
+        default=list(IMPLEMENTATIONS),
+        help="comma-separated names or module:Class (reference,rust)",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="replays per implementation; the fastest is kept (1)"
+    )
+    parser.add_argument(
+        "--events", action="store_true", help="enable events and drain them every step"
+    )
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    parser.add_argument(
+        "--plot", type=Path, metavar="PATH", help="bar chart of ns/key (needs matplotlib)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``kvoffload bench``; return the exit status (1 when implementations disagree)."""
+    if args.repeat < 1 or args.chunks < 0:
+        print("kvoffload bench: --repeat must be >= 1 and --chunks >= 0", file=sys.stderr)
+        return 2
+    config = WorkloadConfig(
+        requests=args.requests,
+        seed=args.seed,
+        kv_groups=args.kv_groups,
+        concurrency=args.concurrency,
+        lookup_mode=args.lookup,
+    )
+    classes: dict[str, type] = {}
+    for name in args.impls:
+        try:
+            classes[name] = load_implementation(name)
+        except Exception as exc:  # any import failure only skips that implementation
+            print(f"kvoffload bench: skipping {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    if not classes:
+        print("kvoffload bench: no implementation could be loaded", file=sys.stderr)
+        return 2
+
+    workload = generate(config)
+    runs = _run_all(workload, classes, args)
+    identical = _check_identical(runs)
+    print(_describe(workload, args))
+    print()
+    print(format_table(runs, events=args.events))
+    speedups = _speedups(runs)
+    print()
+    for policy, ok in identical.items():
+        if ok:
+            impls = [r.impl for r in runs if r.policy == policy]
+            digest = next(r.result.digest for r in runs if r.policy == policy)
+            print(f"{policy}: identical answers from {', '.join(impls)} (digest {digest})")
+        else:
+            print(f"{policy}: MISMATCH, see stderr")
+            print(_divergence_report(policy, runs), file=sys.stderr)
+    if args.json is not None:
+        _write_json(args.json, workload, args, runs, speedups, identical)
+    if args.plot is not None:
+        _plot(args.plot, runs)
+    return 0 if all(identical.values()) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point for ``python -m kvoffload.bench``."""
+    parser = argparse.ArgumentParser(prog="kvoffload bench", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def _run_all(
+    workload: Workload, classes: dict[str, type], args: argparse.Namespace
+) -> list[BenchRun]:
+    """Replay every (policy, implementation), ``args.repeat`` times each, interleaved."""
+    best: dict[tuple[str, str], ReplayResult] = {}
+    tqdm = _tqdm_class()
+    for policy in args.policies:
+        for _ in range(args.repeat):
+            for name, cls in classes.items():
+                manager = cls(args.chunks, cache_policy=policy, enable_events=args.events)
+                with tqdm(
+                    total=len(workload.requests),
+                    desc=f"{policy}/{name}",
+                    unit="req",
+                    file=sys.stderr,
+                    disable=args.no_progress,
+                    leave=False,
+                ) as bar:
+                    result = replay(
+                        manager, workload, drain_events=args.events, progress=bar.update
+                    )
+                del manager
+                previous = best.get((policy, name))
+                if previous is not None and previous.digest != result.digest:
+                    print(f"kvoffload bench: {policy}/{name} is not deterministic", file=sys.stderr)
+                    result.digest = f"nondeterministic:{result.digest}"
+                if previous is None or result.total_ns < previous.total_ns:
+                    best[(policy, name)] = result
+    return [BenchRun(policy, impl, result) for (policy, impl), result in best.items()]
+
+
+def _tqdm_class() -> Any:
+    from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
+
+    return tqdm
+
+
+def _check_identical(runs: list[BenchRun]) -> dict[str, bool]:
+    """Tell, per policy, whether every implementation got the same answers as the first."""
+    first: dict[str, ReplayResult] = {}
+    out: dict[str, bool] = {}
+    for r in runs:
+        base = first.setdefault(r.policy, r.result)
+        out[r.policy] = out.get(r.policy, True) and base.same_answers(r.result)
+    return out
+
+
+def _divergence_report(policy: str, runs: list[BenchRun]) -> str:
+    group = [r for r in runs if r.policy == policy]
+    lines = ["", "!" * 78, f"!! MISMATCH ({policy}): the implementations gave different answers."]
+    for r in group:
+        lines.append(
+            f"!!   {r.impl:<12} hit rate {r.result.hit_rate:.6f}  digest {r.result.digest}"
+        )
+    for r in group[1:]:
+        step = group[0].result.first_divergent_step(r.result)
+        lines.append(f"!!   {group[0].impl} vs {r.impl}: first different step {step}")
+    lines.append("!! Behaviour must be identical; this is a bug in one of them.")
+    lines.append("!" * 78)
+    return "\n".join(lines)
+
+
+def _speedups(runs: list[BenchRun]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """``{policy: {impl: {kind or "total": reference time / impl time}}}``."""
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    base = {r.policy: r.result for r in runs if r.impl == BASELINE}
+    for r in runs:
+        ref = base.get(r.policy)
+        if r.impl == BASELINE or ref is None:
+            continue
+        ratios: dict[str, float | None] = {}
+        for kind in CALL_KINDS:
+            a, b = ref.ns_per_key(kind), r.result.ns_per_key(kind)
+            ratios[kind] = a / b if a is not None and b else None
+        ratios["total"] = ref.total_ns / r.result.total_ns if r.result.total_ns else None
+        out.setdefault(r.policy, {})[r.impl] = ratios
+    return out
+
+
+def _describe(workload: Workload, args: argparse.Namespace) -> str:
+    cfg = workload.config
+    return (
+        f"kvoffload bench: {len(workload.requests):,} requests "
+        f"({workload.num_keys:,} keys, {workload.num_unique_keys:,} distinct), "
+        f"{args.chunks:,} chunks, {cfg.kv_groups} KV group(s), concurrency {cfg.concurrency}, "
+        f"lookup={cfg.lookup_mode}, seed {cfg.seed}\n"
+        "ns/key of manager time per call kind (finish = on_new_request + on_request_finished, "
+        "per key of the request; the timer's own cost is subtracted)"
+    )
+
+
+def format_table(runs: list[BenchRun], *, events: bool = False) -> str:
+    """Render the runs as a plain-text table with a speed-up row per policy and implementation."""
+    kinds = [*TABLE_KINDS, "events"] if events else list(TABLE_KINDS)
+    header = ["policy", "impl", "hit rate", *kinds, "total"]
+    rows: list[list[str]] = []
+    speedups = _speedups(runs)
+    for policy in dict.fromkeys(r.policy for r in runs):
+        for r in (r for r in runs if r.policy == policy):
+            res = r.result
+            rows.append(
+                [
+                    policy,
+                    r.impl,
+                    f"{res.hit_rate:.2%}",
+                    *(_ns(res.ns_per_key(k)) for k in kinds),
+                    _ns(res.total_ns_per_key),
+                ]
+            )
+        for impl, ratios in speedups.get(policy, {}).items():
+            rows.append(
+                [
+                    policy,
+                    f"{impl} speed-up",
+                    "",
+                    *(_ratio(ratios[k]) for k in kinds),
+                    _ratio(ratios["total"]),
+                ]
+            )
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        left = [c.ljust(w) for c, w in zip(cells[:2], widths[:2], strict=True)]
+        right = [c.rjust(w) for c, w in zip(cells[2:], widths[2:], strict=True)]
+        return "  ".join(left + right).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), rule, *(line(row) for row in rows)])
+
+
+def _ns(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}x"
+
+
+def _write_json(
+    path: Path,
+    workload: Workload,
+    args: argparse.Namespace,
+    runs: list[BenchRun],
+    speedups: dict[str, dict[str, dict[str, float | None]]],
+    identical: dict[str, bool],
+) -> None:
+    from kvoffload import __version__
+
+    doc = {
+        "kvoffload_version": __version__,
+        "python": sys.version,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "workload": {
+            **dataclasses.asdict(workload.config),
+            "num_keys": workload.num_keys,
+            "num_unique_keys": workload.num_unique_keys,
+        },
+        "chunks": args.chunks,
+        "events": args.events,
+        "repeat": args.repeat,
+        "runs": [r.to_json() for r in runs],
+        "speedups": speedups,
+        "identical": identical,
+    }
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def _plot(path: Path, runs: list[BenchRun]) -> None:
+    """Draw ns/key per call kind (log scale), one panel per policy; skip without matplotlib."""
+    try:
+        matplotlib = importlib.import_module("matplotlib")
+    except ImportError:
+        print(
+            "kvoffload bench: --plot needs matplotlib (pip install 'kvoffload[bench]')",
+            file=sys.stderr,
+        )
+        return
+    matplotlib.use("Agg")
+    plt = importlib.import_module("matplotlib.pyplot")
+    policies = list(dict.fromkeys(r.policy for r in runs))
+    impls = list(dict.fromkeys(r.impl for r in runs))
+    kinds = [*TABLE_KINDS, "total"]
+    fig, axes = plt.subplots(
+        1, len(policies), figsize=(6.5 * len(policies), 4.5), squeeze=False, sharey=True
+    )
+    width = 0.8 / max(1, len(impls))
+    for ax, policy in zip(axes[0], policies, strict=True):
+        for i, impl in enumerate(impls):
+            res = next((r.result for r in runs if r.policy == policy and r.impl == impl), None)
+            if res is None:
+                continue
+            values = [res.ns_per_key(k) if k != "total" else res.total_ns_per_key for k in kinds]
+            xs = [x + (i - (len(impls) - 1) / 2) * width for x in range(len(kinds))]
+            ax.bar(xs, [v or 0.0 for v in values], width, label=impl)
+        ax.set_yscale("log")
+        ax.set_title(f"{policy}: ns per key")
+        ax.set_xticks(range(len(kinds)))
+        ax.set_xticklabels(kinds, rotation=35, ha="right")
+        ax.grid(axis="y", which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
