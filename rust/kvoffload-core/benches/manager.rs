@@ -1,0 +1,2 @@
+//! Criterion benchmarks of the core manager (placeholder until the full bench lands).
+fn main() {}

@@ -1,0 +1,30 @@
+//! kvoffload-core: the bookkeeping of a scheduler-side KV-cache offloading manager.
+//!
+//! A host pool of `num_chunks` slots holds offloaded KV blocks, one key per slot. The
+//! [`Manager`] decides which keys to store, which to load back and which to evict, exactly as
+//! vLLM 0.33.0's `CPUOffloadingManager` does, from these parts:
+//! - [`ChunkPool`]: free slots, handed out in vLLM's order;
+//! - [`RefCountTable`]: -1 pending, 0 evictable, n pinned by n loads;
+//! - [`AdmissionTracker`]: bounded offer counts for the store threshold;
+//! - [`CachePolicy`]: [`LruPolicy`] and [`ArcPolicy`];
+//! - [`RequestState`]: what one request saw, owned by the request.
+//!
+//! This crate has no Python in it; `kvoffload-py` binds it.
+
+pub mod admission;
+pub mod error;
+pub mod key;
+pub mod manager;
+pub mod policy;
+pub mod pool;
+pub mod refcount;
+pub mod request;
+
+pub use admission::AdmissionTracker;
+pub use error::{CoreError, Result};
+pub use key::{group_of, hash_key, KeyBuf};
+pub use manager::{Event, Lookup, Manager, ManagerConfig, PolicyKind, RawStats, StoreOutcome};
+pub use policy::{ArcPolicy, CachePolicy, LruPolicy, PolicyState};
+pub use pool::{ChunkId, ChunkPool};
+pub use refcount::{ChunkState, RefCountTable};
+pub use request::RequestState;

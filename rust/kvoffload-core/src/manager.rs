@@ -1,0 +1,791 @@
+//! `Manager`: the scheduler-side offloading manager, composing the chunk pool, the ref counts,
+//! the admission tracker and a cache policy, with per-request state kept by the caller.
+//!
+//! Every call validates its whole input first and only then changes state, so an `Err` means
+//! nothing happened. Keys are resolved once per call through one hash index; the policy works on
+//! chunk ids. Behaviour follows vLLM 0.33.0's `CPUOffloadingManager` call for call.
+
+use crate::admission::AdmissionTracker;
+use crate::error::{ensure, show_key, CoreError, Result};
+use crate::key::{group_of, hash_key, KeyBuf};
+use crate::policy::{Access, ArcPolicy, CachePolicy, FinishedKey, LruPolicy, PolicyState};
+use crate::pool::{ChunkId, ChunkPool};
+use crate::refcount::{ChunkState, RefCountTable};
+use crate::request::{RequestState, INSERTED, REPORTED, REUSED};
+use hashbrown::HashTable;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The built-in cache policies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyKind {
+    /// Request-ranked LRU.
+    Lru,
+    /// Adaptive replacement cache.
+    Arc,
+}
+
+/// Construction parameters of a [`Manager`].
+#[derive(Debug, Clone)]
+pub struct ManagerConfig {
+    /// Slots of the host pool.
+    pub num_chunks: u32,
+    /// Which policy orders evictions.
+    pub policy: PolicyKind,
+    /// Queue stored/removed events for `take_events`.
+    pub enable_events: bool,
+    /// Offers a key needs before it is stored; the tracker exists only at 2 or more.
+    pub store_threshold: u64,
+    /// Bound of the admission tracker.
+    pub max_tracker_size: usize,
+}
+
+/// What `lookup` finds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// Absent.
+    Miss,
+    /// Readable (ready or pinned).
+    Hit,
+    /// A store is in flight.
+    HitPending,
+}
+
+/// A stored or removed batch of keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    /// The keys, in the order the call handled them.
+    pub keys: Vec<KeyBuf>,
+    /// Removed (`true`) or stored (`false`).
+    pub removed: bool,
+    /// The cleanup of a failed store rather than an eviction.
+    pub metadata_only: bool,
+}
+
+/// The result of a `prepare_store` that could place its candidates.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoreOutcome {
+    /// Positions in the offer of the keys to store, ascending.
+    pub to_store: Vec<usize>,
+    /// Their chunks, lined up with `to_store`.
+    pub chunks: Vec<ChunkId>,
+    /// Keys evicted to make room, in eviction order.
+    pub evicted: Vec<KeyBuf>,
+}
+
+/// Raw counters behind `get_stats`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawStats {
+    /// Slots of the pool.
+    pub num_chunks: u32,
+    /// Pending or pinned slots.
+    pub num_used: usize,
+    /// Pending slots.
+    pub num_pending: usize,
+    /// Candidate counts of the `prepare_store` calls since the last report.
+    pub allocation_sizes: Vec<u64>,
+    /// Candidates dropped by the threshold since the last report (`None`: no tracker).
+    pub stores_skipped: Option<u64>,
+}
+
+/// Status of one offered key at the start of `prepare_store`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Offered {
+    Absent { admitted: bool },
+    Pending(ChunkId),
+    Readable(ChunkId),
+}
+
+/// The scheduler-side manager. See the module docs.
+pub struct Manager {
+    id: u64,
+    generation: u64,
+    pool: ChunkPool,
+    refs: RefCountTable,
+    /// Key of each chunk slot (empty when the slot is absent).
+    keys: Vec<KeyBuf>,
+    resident: Vec<bool>,
+    /// Chunk of each resident key, by key hash.
+    index: HashTable<ChunkId>,
+    policy: Box<dyn CachePolicy>,
+    tracker: Option<AdmissionTracker>,
+    events: Option<Vec<Event>>,
+    allocation_sizes: Vec<u64>,
+    stores_skipped: u64,
+    /// `protect[c] == protect_stamp` marks chunk `c` protected in the current eviction.
+    protect: Vec<u64>,
+    protect_stamp: u64,
+}
+
+impl Manager {
+    /// A manager with an empty cache.
+    pub fn new(config: &ManagerConfig) -> Result<Self> {
+        if config.store_threshold >= 2 && config.max_tracker_size == 0 {
+            return Err(CoreError::InvalidArgument(
+                "max_tracker_size must be >= 1 when store_threshold >= 2".into(),
+            ));
+        }
+        let n = config.num_chunks;
+        let policy: Box<dyn CachePolicy> = match config.policy {
+            PolicyKind::Lru => Box::new(LruPolicy::new(n)),
+            PolicyKind::Arc => Box::new(ArcPolicy::new(n)),
+        };
+        Ok(Self {
+            id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
+            generation: 0,
+            pool: ChunkPool::new(n),
+            refs: RefCountTable::new(n),
+            keys: Vec::new(),
+            resident: Vec::new(),
+            index: HashTable::new(),
+            policy,
+            tracker: (config.store_threshold >= 2)
+                .then(|| AdmissionTracker::new(config.store_threshold, config.max_tracker_size)),
+            events: config.enable_events.then(Vec::new),
+            allocation_sizes: Vec::new(),
+            stores_skipped: 0,
+            protect: Vec::new(),
+            protect_stamp: 0,
+        })
+    }
+
+    // --- request state ---
+
+    /// Fresh, unfinished request state for this manager's current generation.
+    #[must_use]
+    pub fn new_request_state(&self) -> RequestState {
+        RequestState::new(self.id, self.generation)
+    }
+
+    /// Whether `state` belongs to this manager and its current cache generation.
+    #[must_use]
+    pub fn is_current(&self, state: &RequestState) -> bool {
+        state.owner == self.id && state.generation == self.generation
+    }
+
+    // --- lookups ---
+
+    fn find(&self, key: &[u8], hash: u64) -> Option<ChunkId> {
+        let keys = &self.keys;
+        self.index
+            .find(hash, |&c| keys[c as usize].as_slice() == key)
+            .copied()
+    }
+
+    fn chunk_of(&self, key: &[u8]) -> Option<ChunkId> {
+        self.find(key, hash_key(key))
+    }
+
+    /// Whether `key` is resident (pending, ready or pinned).
+    #[must_use]
+    pub fn is_resident(&self, key: &[u8]) -> bool {
+        self.chunk_of(key).is_some()
+    }
+
+    /// `Miss`, `HitPending` or `Hit`; changes nothing.
+    #[must_use]
+    pub fn lookup(&self, key: &[u8]) -> Lookup {
+        match self.chunk_of(key).map(|c| self.refs.state(c)) {
+            None | Some(ChunkState::Absent) => Lookup::Miss,
+            Some(ChunkState::Pending) => Lookup::HitPending,
+            Some(ChunkState::Ready(_)) => Lookup::Hit,
+        }
+    }
+
+    /// The number of leading keys that are HIT.
+    pub fn lookup_prefix<'k>(&self, keys: impl IntoIterator<Item = &'k [u8]>) -> usize {
+        keys.into_iter()
+            .take_while(|k| self.lookup(k) == Lookup::Hit)
+            .count()
+    }
+
+    // --- loads ---
+
+    /// Pin readable keys for a load; returns their chunks, lined up with `keys`.
+    pub fn prepare_load(
+        &mut self,
+        keys: &[&[u8]],
+        positions: Option<&[Option<i64>]>,
+        req: &mut RequestState,
+    ) -> Result<Vec<ChunkId>> {
+        check_positions(keys, positions)?;
+        let hashes: Vec<u64> = keys.iter().map(|k| hash_key(k)).collect();
+        let mut chunks = Vec::with_capacity(keys.len());
+        for (k, &h) in keys.iter().zip(&hashes) {
+            let Some(c) = self.find(k, h) else {
+                return Err(CoreError::KeyState(format!(
+                    "cannot load {}: not in the cache",
+                    show_key(k)
+                )));
+            };
+            if self.refs.state(c) == ChunkState::Pending {
+                return Err(CoreError::KeyState(format!(
+                    "cannot load {}: its store has not completed",
+                    show_key(k)
+                )));
+            }
+            chunks.push(c);
+        }
+        for (c, times) in multiplicities(&chunks) {
+            self.refs.check_pin(c, times)?;
+        }
+        Self::check_may_record(req, keys.iter().zip(&hashes).map(|(k, &h)| (*k, h)))?;
+
+        for &c in &chunks {
+            if self.refs.pin(c) {
+                self.policy.mark_non_evictable(c);
+            }
+        }
+        let all: Vec<usize> = (0..keys.len()).collect();
+        self.record(req, keys, &hashes, positions, &all, &all);
+        Ok(chunks)
+    }
+
+    /// Release one pin per key; a chunk whose count reaches 0 is evictable again.
+    pub fn complete_load(&mut self, keys: &[&[u8]]) -> Result<()> {
+        let mut chunks = Vec::with_capacity(keys.len());
+        for k in keys {
+            let pinned = self
+                .chunk_of(k)
+                .filter(|&c| matches!(self.refs.state(c), ChunkState::Ready(n) if n > 0));
+            let Some(c) = pinned else {
+                return Err(CoreError::KeyState(format!(
+                    "cannot complete a load of {}: it is not being loaded",
+                    show_key(k)
+                )));
+            };
+            chunks.push(c);
+        }
+        for (c, times) in multiplicities(&chunks) {
+            if let ChunkState::Ready(n) = self.refs.state(c) {
+                if times > n {
+                    return Err(CoreError::KeyState(format!(
+                        "cannot complete {times} loads of {}: only {n} in flight",
+                        show_key(&self.keys[c as usize])
+                    )));
+                }
+            }
+        }
+        for &c in &chunks {
+            if self.refs.unpin(c) {
+                self.policy.mark_evictable(c);
+            }
+        }
+        Ok(())
+    }
+
+    /// Forward a touch to the policy (absent keys included: ARC learns from ghosts).
+    pub fn touch(&mut self, keys: &[&[u8]]) {
+        let access: Vec<Access<'_>> = keys
+            .iter()
+            .map(|&key| Access {
+                key,
+                chunk: self.chunk_of(key),
+                position: None,
+            })
+            .collect();
+        self.policy.touch(&access, &self.refs);
+    }
+
+    // --- stores ---
+
+    /// Offer keys for storing. `Ok(None)`: the candidates cannot be placed (the side effects of
+    /// counting and recording the offer still happened, as in vLLM).
+    pub fn prepare_store(
+        &mut self,
+        keys: &[&[u8]],
+        positions: Option<&[Option<i64>]>,
+        req: &mut RequestState,
+    ) -> Result<Option<StoreOutcome>> {
+        check_positions(keys, positions)?;
+        let hashes: Vec<u64> = keys.iter().map(|k| hash_key(k)).collect();
+        check_distinct(keys, &hashes)?;
+        let status: Vec<Offered> = keys
+            .iter()
+            .zip(&hashes)
+            .map(|(k, &h)| match self.find(k, h) {
+                None => Offered::Absent {
+                    admitted: self.tracker.as_ref().is_none_or(|t| t.would_admit(k)),
+                },
+                Some(c) if self.refs.state(c) == ChunkState::Pending => Offered::Pending(c),
+                Some(c) => Offered::Readable(c),
+            })
+            .collect();
+        let recorded: Vec<usize> = (0..keys.len())
+            .filter(|&i| {
+                matches!(
+                    status[i],
+                    Offered::Absent { admitted: true } | Offered::Readable(_)
+                )
+            })
+            .collect();
+        Self::check_may_record(req, recorded.iter().map(|&i| (keys[i], hashes[i])))?;
+
+        // 1-3: count the offer, drop candidates below the threshold.
+        if let Some(t) = &mut self.tracker {
+            t.record(keys.iter().copied());
+        }
+        let candidates: Vec<usize> = (0..keys.len())
+            .filter(|&i| status[i] == Offered::Absent { admitted: true })
+            .collect();
+        if self.tracker.is_some() {
+            let absent = status
+                .iter()
+                .filter(|s| matches!(s, Offered::Absent { .. }))
+                .count();
+            self.stores_skipped += (absent - candidates.len()) as u64;
+        }
+        // 4: report misses this request has not reported yet.
+        let new_misses: Vec<usize> = candidates
+            .iter()
+            .copied()
+            .filter(|&i| {
+                req.find(keys[i], hashes[i])
+                    .is_none_or(|j| req.seen[j].flags & REPORTED == 0)
+            })
+            .collect();
+        if !new_misses.is_empty() {
+            let miss_keys: Vec<&[u8]> = new_misses.iter().map(|&i| keys[i]).collect();
+            self.policy.on_store_miss(&miss_keys);
+        }
+        // 5: record the access; readable keys count as reused.
+        let readable: Vec<usize> = recorded
+            .iter()
+            .copied()
+            .filter(|&i| matches!(status[i], Offered::Readable(_)))
+            .collect();
+        self.record(req, keys, &hashes, positions, &recorded, &readable);
+        for &i in &new_misses {
+            if let Some(j) = req.find(keys[i], hashes[i]) {
+                req.seen[j].flags |= REPORTED;
+            }
+        }
+        // 6-7.
+        if candidates.is_empty() {
+            return Ok(Some(StoreOutcome::default()));
+        }
+        self.allocation_sizes.push(candidates.len() as u64);
+        // 8: make room.
+        let mut victims = Vec::new();
+        if let Some(shortfall) = candidates
+            .len()
+            .checked_sub(self.pool.num_free())
+            .filter(|&s| s > 0)
+        {
+            if shortfall > self.refs.num_evictable() {
+                return Ok(None);
+            }
+            self.protect_stamp += 1;
+            let stamp = self.protect_stamp;
+            for s in &status {
+                if let Offered::Pending(c) | Offered::Readable(c) = *s {
+                    self.protect[c as usize] = stamp;
+                }
+            }
+            let protect = &self.protect;
+            if !self.policy.evict(
+                shortfall,
+                &|c| protect[c as usize] == stamp,
+                &self.keys,
+                &mut victims,
+            ) {
+                return Ok(None);
+            }
+        }
+        // 9: evict, allocate, insert.
+        let mut evicted = Vec::with_capacity(victims.len());
+        for &c in &victims {
+            self.refs.remove(c);
+            evicted.push(self.unindex(c));
+            self.pool.free(c);
+        }
+        if !evicted.is_empty() {
+            if let Some(events) = &mut self.events {
+                events.push(Event {
+                    keys: evicted.clone(),
+                    removed: true,
+                    metadata_only: false,
+                });
+            }
+        }
+        let mut chunks = Vec::with_capacity(candidates.len());
+        let placed = self.pool.allocate(candidates.len(), &mut chunks);
+        debug_assert!(placed, "room was made for every candidate");
+        let (used, _) = self.pool.state();
+        self.grow(used as usize);
+        for (&i, &c) in candidates.iter().zip(&chunks) {
+            self.index_key(c, keys[i], hashes[i]);
+            self.refs.insert_pending(c);
+            self.policy
+                .insert(c, keys[i], positions.and_then(|p| p[i]), &mut req.rank);
+            if let Some(j) = req.find(keys[i], hashes[i]) {
+                req.seen[j].flags |= INSERTED;
+            }
+        }
+        Ok(Some(StoreOutcome {
+            to_store: candidates,
+            chunks,
+            evicted,
+        }))
+    }
+
+    /// Finish stores: pending keys become ready (`success`) or are dropped (failure). Other keys
+    /// are ignored. At most one event is queued.
+    pub fn complete_store(&mut self, keys: &[&[u8]], success: bool) {
+        let mut done: Vec<KeyBuf> = Vec::new();
+        for k in keys {
+            let Some(c) = self.chunk_of(k) else { continue };
+            if self.refs.state(c) != ChunkState::Pending {
+                continue;
+            }
+            if success {
+                self.refs.complete_store(c);
+                self.policy.mark_evictable(c);
+                done.push(KeyBuf::from_slice(k));
+            } else {
+                self.refs.remove(c);
+                self.policy.remove(c);
+                done.push(self.unindex(c));
+                self.pool.free(c);
+            }
+        }
+        if let (Some(events), false) = (&mut self.events, done.is_empty()) {
+            events.push(Event {
+                keys: done,
+                removed: !success,
+                metadata_only: !success,
+            });
+        }
+    }
+
+    // --- requests ---
+
+    /// Finish a request: hand its keys, head to tail, to the policy. `positions` lines up with
+    /// `state.seen_keys()`. Stale or finished state: nothing happens.
+    pub fn on_request_finished(
+        &mut self,
+        req: &mut RequestState,
+        positions: &[Option<i64>],
+    ) -> Result<()> {
+        if !self.is_current(req) || req.finished {
+            return Ok(());
+        }
+        if positions.len() != req.seen.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "expected {} positions, got {}",
+                req.seen.len(),
+                positions.len()
+            )));
+        }
+        req.finished = true;
+        let order = head_to_tail(req, positions);
+        let finished: Vec<FinishedKey<'_>> = order
+            .iter()
+            .map(|&i| {
+                let s = &req.seen[i];
+                FinishedKey {
+                    key: &s.key,
+                    chunk: self.chunk_of(&s.key),
+                    inserted_only: s.flags & INSERTED != 0 && s.flags & REUSED == 0,
+                    reused: s.flags & REUSED != 0,
+                }
+            })
+            .collect();
+        self.policy.on_request_finished(&finished);
+        Ok(())
+    }
+
+    // --- whole-cache operations ---
+
+    /// Drop every chunk and the policy state; request state of earlier generations goes stale.
+    /// Undrained events, tracker counts, histogram samples and the skipped count are kept.
+    pub fn reset_cache(&mut self) {
+        self.policy.clear();
+        self.generation += 1;
+        self.refs.clear();
+        self.pool.reset();
+        self.index.clear();
+        self.keys.clear();
+        self.resident.clear();
+        self.protect.clear();
+    }
+
+    /// Detach the queued events (empty when events are disabled).
+    pub fn take_events(&mut self) -> Vec<Event> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Whether events are queued at all.
+    #[must_use]
+    pub fn events_enabled(&self) -> bool {
+        self.events.is_some()
+    }
+
+    /// Counters for `get_stats`; the histogram samples and skipped count restart.
+    pub fn take_stats(&mut self) -> RawStats {
+        RawStats {
+            num_chunks: self.pool.num_chunks(),
+            num_used: self.pool.num_used() - self.refs.num_evictable(),
+            num_pending: self.refs.num_pending(),
+            allocation_sizes: std::mem::take(&mut self.allocation_sizes),
+            stores_skipped: self
+                .tracker
+                .as_ref()
+                .map(|_| std::mem::take(&mut self.stores_skipped)),
+        }
+    }
+
+    // --- introspection ---
+
+    /// `(key, chunk, ref count)` of every resident key, by chunk id.
+    #[must_use]
+    pub fn resident(&self) -> Vec<(&[u8], ChunkId, i32)> {
+        (0..self.resident.len())
+            .filter(|&i| self.resident[i])
+            .map(|i| {
+                (
+                    self.keys[i].as_slice(),
+                    i as ChunkId,
+                    self.refs.raw(i as ChunkId),
+                )
+            })
+            .collect()
+    }
+
+    /// The key held by chunk `c`, if any.
+    #[must_use]
+    pub fn key_of(&self, c: ChunkId) -> Option<&[u8]> {
+        self.resident
+            .get(c as usize)
+            .copied()
+            .unwrap_or(false)
+            .then(|| self.keys[c as usize].as_slice())
+    }
+
+    /// Snapshot of the policy's order.
+    #[must_use]
+    pub fn policy_state(&self) -> PolicyState {
+        self.policy.state()
+    }
+
+    /// The admission tracker, when `store_threshold >= 2`.
+    #[must_use]
+    pub fn tracker(&self) -> Option<&AdmissionTracker> {
+        self.tracker.as_ref()
+    }
+
+    /// `(never-used ids handed out, free list with the next-popped id last)`.
+    #[must_use]
+    pub fn pool_state(&self) -> (u32, &[ChunkId]) {
+        self.pool.state()
+    }
+
+    /// Set ARC's target size (tests); `false` for other policies.
+    pub fn set_arc_target(&mut self, target: f64) -> bool {
+        self.policy.set_target(target)
+    }
+
+    /// Check every invariant across the pool, ref counts, index, tracker and policy.
+    pub fn validate(&self) -> Result<()> {
+        self.pool.validate()?;
+        self.refs.validate()?;
+        if let Some(t) = &self.tracker {
+            t.validate()?;
+        }
+        let (fresh, free) = self.pool.state();
+        ensure!(
+            self.resident.len() == fresh as usize,
+            "manager: per-chunk arrays out of step with the pool"
+        );
+        let mut n = 0;
+        for (i, &res) in self.resident.iter().enumerate() {
+            let c = i as ChunkId;
+            ensure!(
+                res == (self.refs.state(c) != ChunkState::Absent),
+                "manager: chunk {i} residency vs ref count"
+            );
+            if res {
+                n += 1;
+                ensure!(
+                    self.chunk_of(&self.keys[i]) == Some(c),
+                    "manager: index does not map chunk {i}'s key to it"
+                );
+                ensure!(
+                    !free.contains(&c),
+                    "manager: resident chunk {i} is on the free list"
+                );
+            }
+        }
+        ensure!(
+            self.index.len() == n,
+            "manager: index holds {} keys for {n} resident chunks",
+            self.index.len()
+        );
+        ensure!(
+            self.pool.num_used() == n,
+            "manager: pool lends {} chunks, {n} resident",
+            self.pool.num_used()
+        );
+        self.policy.validate(&self.resident, &self.refs)
+    }
+
+    // --- internals ---
+
+    fn grow(&mut self, n: usize) {
+        if n > self.resident.len() {
+            self.keys.resize(n, KeyBuf::new());
+            self.resident.resize(n, false);
+            self.protect.resize(n, 0);
+            self.refs.grow(n);
+            self.policy.grow(n);
+        }
+    }
+
+    fn index_key(&mut self, c: ChunkId, key: &[u8], hash: u64) {
+        let i = c as usize;
+        self.keys[i] = KeyBuf::from_slice(key);
+        self.resident[i] = true;
+        let keys = &self.keys;
+        self.index
+            .insert_unique(hash, c, |&o| hash_key(&keys[o as usize]));
+    }
+
+    /// Remove chunk `c`'s key from the index; returns the key.
+    fn unindex(&mut self, c: ChunkId) -> KeyBuf {
+        let i = c as usize;
+        let key = std::mem::take(&mut self.keys[i]);
+        self.resident[i] = false;
+        if let Ok(entry) = self.index.find_entry(hash_key(&key), |&o| o == c) {
+            entry.remove();
+        }
+        key
+    }
+
+    /// A finished request may only record keys it has already seen.
+    fn check_may_record<'k>(
+        req: &RequestState,
+        mut keys: impl Iterator<Item = (&'k [u8], u64)>,
+    ) -> Result<()> {
+        if !req.finished {
+            return Ok(());
+        }
+        match keys.find(|&(k, h)| req.find(k, h).is_none()) {
+            Some((k, _)) => Err(CoreError::RequestFinished(format!(
+                "request already finished; it cannot record the new key {}",
+                show_key(k)
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Record a request's access to `keys[i]` for `i` in `which` (call order); those in `reused`
+    /// become reused unless the request inserted them. New keys go to `on_request_access`.
+    fn record(
+        &mut self,
+        req: &mut RequestState,
+        keys: &[&[u8]],
+        hashes: &[u64],
+        positions: Option<&[Option<i64>]>,
+        which: &[usize],
+        reused: &[usize],
+    ) {
+        let mut new: Vec<Access<'_>> = Vec::new();
+        for &i in which {
+            if req.find(keys[i], hashes[i]).is_none() {
+                req.add(keys[i], hashes[i]);
+                new.push(Access {
+                    key: keys[i],
+                    chunk: self.find(keys[i], hashes[i]),
+                    position: positions.and_then(|p| p[i]),
+                });
+            }
+        }
+        if !new.is_empty() {
+            self.policy.on_request_access(&new, &mut req.rank);
+        }
+        for &i in reused {
+            if let Some(j) = req.find(keys[i], hashes[i]) {
+                let f = &mut req.seen[j].flags;
+                if *f & INSERTED == 0 {
+                    *f |= REUSED;
+                }
+            }
+        }
+    }
+}
+
+/// Positions must line up with the keys, and `-position` must be representable.
+fn check_positions(keys: &[&[u8]], positions: Option<&[Option<i64>]>) -> Result<()> {
+    let Some(p) = positions else { return Ok(()) };
+    if p.len() != keys.len() {
+        return Err(CoreError::InvalidArgument(format!(
+            "expected {} positions, got {}",
+            keys.len(),
+            p.len()
+        )));
+    }
+    if p.contains(&Some(i64::MIN)) {
+        return Err(CoreError::InvalidArgument(
+            "a token position is out of range".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Reject an offer that names a key twice.
+fn check_distinct(keys: &[&[u8]], hashes: &[u64]) -> Result<()> {
+    if keys.len() < 2 {
+        return Ok(());
+    }
+    let mut order: Vec<(u64, &[u8])> = hashes.iter().copied().zip(keys.iter().copied()).collect();
+    order.sort_unstable();
+    match order.windows(2).find(|w| w[0] == w[1]) {
+        Some(w) => Err(CoreError::DuplicateKey(format!(
+            "key {} appears more than once in one prepare_store",
+            show_key(w[0].1)
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// `(chunk, occurrences)` for each distinct chunk of `chunks`.
+fn multiplicities(chunks: &[ChunkId]) -> Vec<(ChunkId, u32)> {
+    let mut sorted = chunks.to_vec();
+    sorted.sort_unstable();
+    let mut out: Vec<(ChunkId, u32)> = Vec::with_capacity(sorted.len());
+    for c in sorted {
+        match out.last_mut() {
+            Some((last, n)) if *last == c => *n += 1,
+            _ => out.push((c, 1)),
+        }
+    }
+    out
+}
+
+/// A finishing request's keys, head to tail: by KV group (ascending), each group in first-seen
+/// order, re-sorted by position when all its keys have one; then, when every key has a position,
+/// the whole list re-sorted (stably) by position.
+fn head_to_tail(req: &RequestState, positions: &[Option<i64>]) -> Vec<usize> {
+    let groups: Vec<u32> = req.seen.iter().map(|s| group_of(&s.key)).collect();
+    let mut order: Vec<usize> = (0..req.seen.len()).collect();
+    order.sort_by_key(|&i| groups[i]);
+    let mut start = 0;
+    while start < order.len() {
+        let g = groups[order[start]];
+        let end = start
+            + order[start..]
+                .iter()
+                .take_while(|&&i| groups[i] == g)
+                .count();
+        let run = &mut order[start..end];
+        if run.iter().all(|&i| positions[i].is_some()) {
+            run.sort_by_key(|&i| positions[i]);
+        }
+        start = end;
+    }
+    if positions.iter().all(Option::is_some) {
+        order.sort_by_key(|&i| positions[i]);
+    }
+    order
+}

@@ -1,0 +1,449 @@
+//! `ArcPolicy`: adaptive replacement over T1 (seen once), T2 (reused) and their ghost lists
+//! B1/B2 (keys only), with a real-valued target size for T1.
+//!
+//! T1 and T2 are orders by a sequence number taken from one counter on every move to a list's
+//! newest end. Besides its length, each list keeps an ordered map of its *evictable* entries, so
+//! eviction starts at the oldest evictable entry and never walks past pinned or pending ones.
+//! Ghost lists are linked hash sets, trimmed to the capacity after each successful eviction.
+
+use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
+use crate::error::{ensure, Result};
+use crate::key::{KeyBuf, KeyHasher};
+use crate::pool::ChunkId;
+use crate::refcount::RefCountTable;
+use hashlink::LinkedHashSet;
+use std::collections::BTreeMap;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum List {
+    None,
+    T1,
+    T2,
+}
+
+/// ARC over `capacity` chunk slots.
+#[derive(Debug, Clone)]
+pub struct ArcPolicy {
+    capacity: usize,
+    target: f64,
+    /// Which list each chunk is in, and its sequence number there.
+    list: Vec<(List, u64)>,
+    evictable: Vec<bool>,
+    t1_len: usize,
+    t2_len: usize,
+    /// Evictable T1 entries by sequence number (oldest first).
+    t1_evictable: BTreeMap<u64, ChunkId>,
+    /// Evictable T2 entries by sequence number (oldest first).
+    t2_evictable: BTreeMap<u64, ChunkId>,
+    next_seq: u64,
+    b1: LinkedHashSet<KeyBuf, KeyHasher>,
+    b2: LinkedHashSet<KeyBuf, KeyHasher>,
+}
+
+impl ArcPolicy {
+    /// An empty policy for `capacity` chunk slots (also the bound of each ghost list).
+    #[must_use]
+    pub fn new(capacity: u32) -> Self {
+        Self {
+            capacity: capacity as usize,
+            target: 0.0,
+            list: Vec::new(),
+            evictable: Vec::new(),
+            t1_len: 0,
+            t2_len: 0,
+            t1_evictable: BTreeMap::new(),
+            t2_evictable: BTreeMap::new(),
+            next_seq: 0,
+            b1: LinkedHashSet::with_hasher(KeyHasher),
+            b2: LinkedHashSet::with_hasher(KeyHasher),
+        }
+    }
+
+    /// The adaptive target size of T1.
+    #[must_use]
+    pub fn target(&self) -> f64 {
+        self.target
+    }
+
+    fn evictable_map(&mut self, l: List) -> &mut BTreeMap<u64, ChunkId> {
+        if l == List::T1 {
+            &mut self.t1_evictable
+        } else {
+            &mut self.t2_evictable
+        }
+    }
+
+    fn unlink(&mut self, chunk: ChunkId) -> List {
+        let i = chunk as usize;
+        let (l, seq) = self.list[i];
+        if l != List::None && self.evictable[i] {
+            self.evictable_map(l).remove(&seq);
+        }
+        match l {
+            List::T1 => self.t1_len -= 1,
+            List::T2 => self.t2_len -= 1,
+            List::None => {}
+        }
+        self.list[i] = (List::None, 0);
+        l
+    }
+
+    /// Put `chunk` at the newest end of list `l`.
+    fn push_newest(&mut self, chunk: ChunkId, l: List) {
+        self.unlink(chunk);
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        let i = chunk as usize;
+        self.list[i] = (l, seq);
+        match l {
+            List::T1 => self.t1_len += 1,
+            List::T2 => self.t2_len += 1,
+            List::None => return,
+        }
+        if self.evictable[i] {
+            self.evictable_map(l).insert(seq, chunk);
+        }
+    }
+
+    /// Adapt the target to a ghost hit on `key`; `false` when the key is no ghost.
+    fn ghost_hit(&mut self, key: &[u8]) -> bool {
+        let cap = self.capacity as f64;
+        if self.b1.contains(key) {
+            let delta = (self.b2.len() as f64 / self.b1.len() as f64).max(1.0);
+            self.target = (self.target + delta).min(cap);
+            self.b1.to_back(key);
+            true
+        } else if self.b2.contains(key) {
+            let delta = (self.b1.len() as f64 / self.b2.len() as f64).max(1.0);
+            self.target = (self.target - delta).max(0.0);
+            self.b2.to_back(key);
+            true
+        } else {
+            false
+        }
+    }
+
+    fn ordered(&self, l: List) -> Vec<ChunkId> {
+        let mut v: Vec<(u64, ChunkId)> = (0..self.list.len())
+            .filter(|&i| self.list[i].0 == l)
+            .map(|i| (self.list[i].1, i as ChunkId))
+            .collect();
+        v.sort_unstable();
+        v.into_iter().map(|(_, c)| c).collect()
+    }
+}
+
+/// The next evictable, unprotected entry of `it`.
+fn next_victim<'a>(
+    it: &mut impl Iterator<Item = (&'a u64, &'a ChunkId)>,
+    protected: &dyn Fn(ChunkId) -> bool,
+) -> Option<ChunkId> {
+    it.map(|(_, &c)| c).find(|&c| !protected(c))
+}
+
+impl CachePolicy for ArcPolicy {
+    fn grow(&mut self, n: usize) {
+        if n > self.list.len() {
+            self.list.resize(n, (List::None, 0));
+            self.evictable.resize(n, false);
+        }
+    }
+
+    fn insert(
+        &mut self,
+        chunk: ChunkId,
+        key: &[u8],
+        _position: Option<i64>,
+        _rank: &mut RequestRank,
+    ) {
+        self.evictable[chunk as usize] = false;
+        self.push_newest(chunk, List::T1);
+        self.b1.remove(key);
+        self.b2.remove(key);
+    }
+
+    fn remove(&mut self, chunk: ChunkId) {
+        self.unlink(chunk);
+        self.evictable[chunk as usize] = false;
+    }
+
+    fn touch(&mut self, keys: &[Access<'_>], refs: &RefCountTable) {
+        for a in keys.iter().rev() {
+            match a.chunk.map(|c| (c, self.list[c as usize].0)) {
+                Some((c, List::T1)) => {
+                    let to = if refs.raw(c) >= 0 { List::T2 } else { List::T1 };
+                    self.push_newest(c, to);
+                }
+                Some((c, List::T2)) => self.push_newest(c, List::T2),
+                _ => {
+                    self.ghost_hit(a.key);
+                }
+            }
+        }
+    }
+
+    fn on_store_miss(&mut self, keys: &[&[u8]]) {
+        for key in keys.iter().rev() {
+            self.ghost_hit(key);
+        }
+    }
+
+    fn on_request_access(&mut self, _keys: &[Access<'_>], _rank: &mut RequestRank) {}
+
+    fn on_request_finished(&mut self, keys: &[FinishedKey<'_>]) {
+        for k in keys.iter().rev() {
+            let Some(c) = k.chunk else { continue };
+            let l = self.list[c as usize].0;
+            if k.inserted_only {
+                self.push_newest(c, l);
+            } else if k.reused {
+                self.push_newest(c, List::T2);
+            }
+        }
+    }
+
+    fn evict(
+        &mut self,
+        n: usize,
+        protected: &dyn Fn(ChunkId) -> bool,
+        keys: &[KeyBuf],
+        out: &mut Vec<ChunkId>,
+    ) -> bool {
+        let start = out.len();
+        let mut from_t1: Vec<bool> = Vec::with_capacity(n);
+        {
+            let floor_target = self.target as usize;
+            let mut virtual_t1 = self.t1_len;
+            let mut t1 = self.t1_evictable.iter();
+            let mut t2 = self.t2_evictable.iter();
+            for _ in 0..n {
+                let mut pick = None;
+                if virtual_t1 >= floor_target {
+                    pick = next_victim(&mut t1, protected).map(|c| (c, true));
+                }
+                if pick.is_none() {
+                    pick = next_victim(&mut t2, protected).map(|c| (c, false));
+                }
+                if pick.is_none() {
+                    pick = next_victim(&mut t1, protected).map(|c| (c, true));
+                }
+                let Some((c, is_t1)) = pick else {
+                    out.truncate(start);
+                    return false;
+                };
+                if is_t1 {
+                    virtual_t1 = virtual_t1.saturating_sub(1);
+                }
+                out.push(c);
+                from_t1.push(is_t1);
+            }
+        }
+        for (j, &c) in out[start..].iter().enumerate() {
+            self.unlink(c);
+            self.evictable[c as usize] = false;
+            let key = keys[c as usize].clone();
+            if from_t1[j] {
+                self.b1.insert(key);
+            } else {
+                self.b2.insert(key);
+            }
+        }
+        for ghosts in [&mut self.b1, &mut self.b2] {
+            while ghosts.len() > self.capacity {
+                ghosts.pop_front();
+            }
+        }
+        true
+    }
+
+    fn clear(&mut self) {
+        self.list.clear();
+        self.evictable.clear();
+        self.t1_len = 0;
+        self.t2_len = 0;
+        self.t1_evictable.clear();
+        self.t2_evictable.clear();
+        self.b1.clear();
+        self.b2.clear();
+        self.target = 0.0;
+    }
+
+    fn mark_evictable(&mut self, chunk: ChunkId) {
+        let i = chunk as usize;
+        debug_assert!(!self.evictable[i]);
+        self.evictable[i] = true;
+        let (l, seq) = self.list[i];
+        if l != List::None {
+            self.evictable_map(l).insert(seq, chunk);
+        }
+    }
+
+    fn mark_non_evictable(&mut self, chunk: ChunkId) {
+        let i = chunk as usize;
+        debug_assert!(self.evictable[i]);
+        self.evictable[i] = false;
+        let (l, seq) = self.list[i];
+        if l != List::None {
+            self.evictable_map(l).remove(&seq);
+        }
+    }
+
+    fn state(&self) -> PolicyState {
+        PolicyState::Arc {
+            t1: self.ordered(List::T1),
+            t2: self.ordered(List::T2),
+            b1: self.b1.iter().cloned().collect(),
+            b2: self.b2.iter().cloned().collect(),
+            target: self.target,
+        }
+    }
+
+    fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()> {
+        ensure!(
+            resident.len() == self.list.len(),
+            "arc: per-chunk arrays differ in length"
+        );
+        let (mut t1, mut t2, mut e1, mut e2) = (0, 0, 0, 0);
+        for (i, &res) in resident.iter().enumerate() {
+            let (l, seq) = self.list[i];
+            ensure!(
+                res == (l != List::None),
+                "arc: chunk {i} residency differs from the index"
+            );
+            let ev = res && refs.raw(i as ChunkId) == 0;
+            ensure!(
+                self.evictable[i] == ev,
+                "arc: chunk {i} evictable flag is {}",
+                self.evictable[i]
+            );
+            match l {
+                List::T1 => t1 += 1,
+                List::T2 => t2 += 1,
+                List::None => {}
+            }
+            if ev {
+                let map = if l == List::T1 {
+                    &self.t1_evictable
+                } else {
+                    &self.t2_evictable
+                };
+                ensure!(
+                    map.get(&seq) == Some(&(i as ChunkId)),
+                    "arc: chunk {i} missing from its evictable map"
+                );
+                if l == List::T1 {
+                    e1 += 1;
+                } else {
+                    e2 += 1;
+                }
+            }
+        }
+        ensure!(
+            (t1, t2) == (self.t1_len, self.t2_len),
+            "arc: list lengths drifted"
+        );
+        ensure!(
+            (e1, e2) == (self.t1_evictable.len(), self.t2_evictable.len()),
+            "arc: evictable maps hold stale entries"
+        );
+        ensure!(
+            self.b1.len() <= self.capacity && self.b2.len() <= self.capacity,
+            "arc: a ghost list is over capacity"
+        );
+        ensure!(
+            self.b1.iter().all(|k| !self.b2.contains(k)),
+            "arc: a key in both ghost lists"
+        );
+        ensure!(
+            (0.0..=self.capacity as f64).contains(&self.target),
+            "arc: target {} outside [0, capacity]",
+            self.target
+        );
+        Ok(())
+    }
+
+    fn set_target(&mut self, target: f64) -> bool {
+        self.target = target;
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(n: usize) -> Vec<KeyBuf> {
+        (0..n)
+            .map(|i| KeyBuf::from_slice(format!("k{i}").as_bytes()))
+            .collect()
+    }
+
+    fn ready(p: &mut ArcPolicy, refs: &mut RefCountTable, c: ChunkId, ks: &[KeyBuf]) {
+        p.grow(c as usize + 1);
+        refs.grow(c as usize + 1);
+        p.insert(c, &ks[c as usize], None, &mut None);
+        refs.insert_pending(c);
+        refs.complete_store(c);
+        p.mark_evictable(c);
+    }
+
+    fn evict(p: &mut ArcPolicy, n: usize, ks: &[KeyBuf]) -> Option<Vec<ChunkId>> {
+        let mut out = Vec::new();
+        p.evict(n, &|_| false, ks, &mut out).then_some(out)
+    }
+
+    #[test]
+    fn ghost_hit_raises_target_and_touch_promotes() {
+        let ks = keys(3);
+        let mut refs = RefCountTable::new(3);
+        let mut p = ArcPolicy::new(2);
+        ready(&mut p, &mut refs, 0, &ks);
+        ready(&mut p, &mut refs, 1, &ks);
+        assert_eq!(evict(&mut p, 1, &ks), Some(vec![0]));
+        let PolicyState::Arc { b1, .. } = p.state() else {
+            panic!()
+        };
+        assert_eq!(b1, vec![ks[0].clone()]);
+        p.touch(
+            &[Access {
+                key: &ks[0],
+                chunk: None,
+                position: None,
+            }],
+            &refs,
+        );
+        assert!((p.target() - 1.0).abs() < f64::EPSILON);
+        p.touch(
+            &[Access {
+                key: &ks[1],
+                chunk: Some(1),
+                position: None,
+            }],
+            &refs,
+        );
+        let PolicyState::Arc { t1, t2, .. } = p.state() else {
+            panic!()
+        };
+        assert_eq!((t1, t2), (vec![], vec![1]));
+    }
+
+    #[test]
+    fn target_steers_between_lists() {
+        let ks = keys(4);
+        let mut refs = RefCountTable::new(4);
+        let mut p = ArcPolicy::new(4);
+        for c in 0..4 {
+            ready(&mut p, &mut refs, c, &ks);
+        }
+        let acc = |c: ChunkId| Access {
+            key: b"",
+            chunk: Some(c),
+            position: None,
+        };
+        p.touch(&[acc(2), acc(3)], &refs);
+        // T1 = [0, 1], T2 = [3, 2]. Target 2 > |T1| - 1 after one pick: second comes from T2.
+        p.set_target(2.0);
+        assert_eq!(evict(&mut p, 2, &ks), Some(vec![0, 3]));
+        p.validate(&[false, true, true, false], &refs).unwrap();
+    }
+}

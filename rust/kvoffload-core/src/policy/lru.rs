@@ -1,0 +1,367 @@
+//! `LruPolicy`: request-ranked recency.
+//!
+//! Every resident chunk has a rank `(major, minor)`; eviction takes evictable, unprotected
+//! chunks in ascending `(rank, key bytes)` order. A counter issues fresh ranks `(k, 0)`. A
+//! request takes one rank `k` from the same counter at its first access, and its chunks with a
+//! known token position `p` rank `(k, -p)`: tails before heads of the same request.
+//!
+//! The evictable chunks live in an ordered set keyed by `(major, minor, chunk)`, so eviction
+//! starts at the least recent evictable chunk and never walks past pinned or pending ones.
+//! Chunks sharing a rank (equal positions in different KV groups) are ordered by key bytes
+//! when they are evicted.
+
+use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
+use crate::error::{ensure, Result};
+use crate::key::KeyBuf;
+use crate::pool::ChunkId;
+use crate::refcount::RefCountTable;
+use std::collections::BTreeSet;
+
+type Rank = (u64, i64);
+
+/// Request-ranked LRU over `capacity` chunk slots.
+#[derive(Debug, Clone)]
+pub struct LruPolicy {
+    /// Rank of each resident chunk, by chunk id.
+    ranks: Vec<Rank>,
+    resident: Vec<bool>,
+    evictable: Vec<bool>,
+    /// `(major, minor, chunk)` of every evictable chunk.
+    order: BTreeSet<(u64, i64, ChunkId)>,
+    next_rank: u64,
+}
+
+impl LruPolicy {
+    /// An empty policy for `capacity` chunk slots.
+    #[must_use]
+    pub fn new(capacity: u32) -> Self {
+        let _ = capacity;
+        Self {
+            ranks: Vec::new(),
+            resident: Vec::new(),
+            evictable: Vec::new(),
+            order: BTreeSet::new(),
+            next_rank: 0,
+        }
+    }
+
+    fn fresh_rank(&mut self) -> Rank {
+        self.next_rank += 1;
+        (self.next_rank, 0)
+    }
+
+    fn request_rank(&mut self, slot: &mut RequestRank) -> u64 {
+        *slot.get_or_insert_with(|| {
+            self.next_rank += 1;
+            self.next_rank
+        })
+    }
+
+    fn set_rank(&mut self, chunk: ChunkId, rank: Rank) {
+        let i = chunk as usize;
+        if self.evictable[i] {
+            let (a, b) = self.ranks[i];
+            self.order.remove(&(a, b, chunk));
+            self.order.insert((rank.0, rank.1, chunk));
+        }
+        self.ranks[i] = rank;
+    }
+
+    fn refresh(&mut self, chunk: ChunkId) {
+        let rank = self.fresh_rank();
+        self.set_rank(chunk, rank);
+    }
+}
+
+impl CachePolicy for LruPolicy {
+    fn grow(&mut self, n: usize) {
+        if n > self.ranks.len() {
+            self.ranks.resize(n, (0, 0));
+            self.resident.resize(n, false);
+            self.evictable.resize(n, false);
+        }
+    }
+
+    fn insert(
+        &mut self,
+        chunk: ChunkId,
+        _key: &[u8],
+        position: Option<i64>,
+        rank: &mut RequestRank,
+    ) {
+        let r = match position {
+            Some(p) => (self.request_rank(rank), -p),
+            None => self.fresh_rank(),
+        };
+        let i = chunk as usize;
+        self.ranks[i] = r;
+        self.resident[i] = true;
+        self.evictable[i] = false;
+    }
+
+    fn remove(&mut self, chunk: ChunkId) {
+        let i = chunk as usize;
+        if self.evictable[i] {
+            let (a, b) = self.ranks[i];
+            self.order.remove(&(a, b, chunk));
+            self.evictable[i] = false;
+        }
+        self.resident[i] = false;
+    }
+
+    fn touch(&mut self, keys: &[Access<'_>], _refs: &RefCountTable) {
+        for a in keys.iter().rev() {
+            if let Some(c) = a.chunk {
+                self.refresh(c);
+            }
+        }
+    }
+
+    fn on_store_miss(&mut self, _keys: &[&[u8]]) {}
+
+    fn on_request_access(&mut self, keys: &[Access<'_>], rank: &mut RequestRank) {
+        let request_rank = self.request_rank(rank);
+        for a in keys {
+            let (Some(c), Some(p)) = (a.chunk, a.position) else {
+                continue;
+            };
+            let r = (request_rank, -p);
+            if self.ranks[c as usize] < r {
+                self.set_rank(c, r);
+            }
+        }
+    }
+
+    fn on_request_finished(&mut self, keys: &[FinishedKey<'_>]) {
+        for k in keys.iter().rev() {
+            if let Some(c) = k.chunk {
+                self.refresh(c);
+            }
+        }
+    }
+
+    fn evict(
+        &mut self,
+        n: usize,
+        protected: &dyn Fn(ChunkId) -> bool,
+        keys: &[KeyBuf],
+        out: &mut Vec<ChunkId>,
+    ) -> bool {
+        let start = out.len();
+        let mut it = self.order.iter().peekable();
+        let mut run: Vec<ChunkId> = Vec::new();
+        'outer: while out.len() - start < n {
+            let Some(&(a, b, c)) = it.next() else { break };
+            if it.peek().is_some_and(|&&(a2, b2, _)| (a2, b2) == (a, b)) {
+                // Chunks sharing a rank leave in key-byte order.
+                run.clear();
+                run.push(c);
+                while let Some(&&(a2, b2, c2)) = it.peek() {
+                    if (a2, b2) != (a, b) {
+                        break;
+                    }
+                    run.push(c2);
+                    it.next();
+                }
+                run.sort_by(|&x, &y| keys[x as usize].cmp(&keys[y as usize]));
+                for &c in &run {
+                    if !protected(c) {
+                        out.push(c);
+                        if out.len() - start == n {
+                            break 'outer;
+                        }
+                    }
+                }
+            } else if !protected(c) {
+                out.push(c);
+            }
+        }
+        if out.len() - start < n {
+            out.truncate(start);
+            return false;
+        }
+        for &c in &out[start..] {
+            let i = c as usize;
+            let (a, b) = self.ranks[i];
+            self.order.remove(&(a, b, c));
+            self.evictable[i] = false;
+            self.resident[i] = false;
+        }
+        true
+    }
+
+    fn clear(&mut self) {
+        self.ranks.clear();
+        self.resident.clear();
+        self.evictable.clear();
+        self.order.clear();
+        self.next_rank = 0;
+    }
+
+    fn mark_evictable(&mut self, chunk: ChunkId) {
+        let i = chunk as usize;
+        debug_assert!(self.resident[i] && !self.evictable[i]);
+        self.evictable[i] = true;
+        let (a, b) = self.ranks[i];
+        self.order.insert((a, b, chunk));
+    }
+
+    fn mark_non_evictable(&mut self, chunk: ChunkId) {
+        let i = chunk as usize;
+        debug_assert!(self.evictable[i]);
+        self.evictable[i] = false;
+        let (a, b) = self.ranks[i];
+        self.order.remove(&(a, b, chunk));
+    }
+
+    fn state(&self) -> PolicyState {
+        let ranks = (0..self.resident.len())
+            .filter(|&i| self.resident[i])
+            .map(|i| (i as ChunkId, self.ranks[i]))
+            .collect();
+        PolicyState::Lru {
+            ranks,
+            next_rank: self.next_rank,
+        }
+    }
+
+    fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()> {
+        ensure!(
+            resident == self.resident.as_slice(),
+            "lru: resident set differs from the index"
+        );
+        ensure!(
+            self.ranks.len() == self.evictable.len(),
+            "lru: per-chunk arrays differ in length"
+        );
+        let mut n = 0;
+        for (i, &res) in self.resident.iter().enumerate() {
+            let ev = res && refs.raw(i as ChunkId) == 0;
+            ensure!(
+                self.evictable[i] == ev,
+                "lru: chunk {i} evictable flag is {}",
+                self.evictable[i]
+            );
+            if ev {
+                n += 1;
+                let (a, b) = self.ranks[i];
+                ensure!(
+                    self.order.contains(&(a, b, i as ChunkId)),
+                    "lru: chunk {i} missing from order"
+                );
+                ensure!(a <= self.next_rank, "lru: chunk {i} rank past the counter");
+            }
+        }
+        ensure!(
+            n == self.order.len(),
+            "lru: order holds {} entries for {n} evictable",
+            self.order.len()
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(n: usize) -> Vec<KeyBuf> {
+        (0..n)
+            .map(|i| KeyBuf::from_slice(format!("k{i}").as_bytes()))
+            .collect()
+    }
+
+    fn ready(p: &mut LruPolicy, c: ChunkId, pos: Option<i64>, rank: &mut RequestRank) {
+        p.grow(c as usize + 1);
+        p.insert(c, b"", pos, rank);
+        p.mark_evictable(c);
+    }
+
+    fn evict(
+        p: &mut LruPolicy,
+        n: usize,
+        keys: &[KeyBuf],
+        prot: &[ChunkId],
+    ) -> Option<Vec<ChunkId>> {
+        let mut out = Vec::new();
+        p.evict(n, &|c| prot.contains(&c), keys, &mut out)
+            .then_some(out)
+    }
+
+    #[test]
+    fn evicts_least_recent_first_and_touch_refreshes() {
+        let ks = keys(3);
+        let mut p = LruPolicy::new(3);
+        let mut r = None;
+        for c in 0..3 {
+            ready(&mut p, c, None, &mut r);
+        }
+        let acc = |c: ChunkId| Access {
+            key: b"",
+            chunk: Some(c),
+            position: None,
+        };
+        p.touch(&[acc(0), acc(1)], &RefCountTable::new(3));
+        // touch gives 1 then 0 fresh ranks: 0 is most recent.
+        assert_eq!(evict(&mut p, 3, &ks, &[]), Some(vec![2, 1, 0]));
+    }
+
+    #[test]
+    fn positions_rank_tails_first_within_request() {
+        let ks = keys(4);
+        let mut p = LruPolicy::new(4);
+        let mut r = None;
+        ready(&mut p, 0, Some(16), &mut r);
+        ready(&mut p, 1, Some(32), &mut r);
+        let mut other = None;
+        ready(&mut p, 2, None, &mut other);
+        // Chunks 0 and 1 rank (1, -16) and (1, -32): older than chunk 2's fresh (2, 0).
+        assert_eq!(evict(&mut p, 3, &ks, &[]), Some(vec![1, 0, 2]));
+    }
+
+    #[test]
+    fn equal_ranks_leave_in_key_order_and_protection_holds() {
+        let ks: Vec<KeyBuf> = [&b"b"[..], b"a", b"c"]
+            .iter()
+            .map(|k| KeyBuf::from_slice(k))
+            .collect();
+        let mut p = LruPolicy::new(3);
+        let mut r = None;
+        for c in 0..3 {
+            ready(&mut p, c, Some(8), &mut r);
+        }
+        assert_eq!(evict(&mut p, 2, &ks, &[1]), Some(vec![0, 2]));
+        assert_eq!(evict(&mut p, 2, &ks, &[]), None, "all-or-nothing");
+        assert_eq!(evict(&mut p, 1, &ks, &[]), Some(vec![1]));
+    }
+
+    #[test]
+    fn request_access_only_raises_ranks() {
+        let mut p = LruPolicy::new(2);
+        let mut r = None;
+        ready(&mut p, 0, None, &mut r);
+        let mut req = None;
+        p.on_request_access(
+            &[Access {
+                key: b"",
+                chunk: Some(0),
+                position: Some(4),
+            }],
+            &mut req,
+        );
+        // The request's rank (2) is newer than chunk 0's (1, 0): raised to (2, -4).
+        assert_eq!(p.ranks[0], (2, -4));
+        let PolicyState::Lru { next_rank, .. } = p.state() else {
+            panic!()
+        };
+        assert_eq!(next_rank, 2);
+        p.validate(&[true], &{
+            let mut t = RefCountTable::new(2);
+            t.grow(1);
+            t.insert_pending(0);
+            t.complete_store(0);
+            t
+        })
+        .unwrap();
+    }
+}

@@ -1,0 +1,111 @@
+//! Cache policies: which resident chunk to evict, and how accesses change that order.
+//!
+//! A policy sees chunks by their [`ChunkId`] (one slot per resident key) and keys by their
+//! bytes (ghost entries and ties need them). The manager owns the key index and the ref counts;
+//! it tells the policy when a chunk becomes evictable (ref count 0) or stops being evictable,
+//! and a policy only ever evicts chunks it was told are evictable and not protected.
+
+mod arc;
+mod lru;
+
+pub use arc::ArcPolicy;
+pub use lru::LruPolicy;
+
+use crate::error::Result;
+use crate::key::KeyBuf;
+use crate::pool::ChunkId;
+use crate::refcount::RefCountTable;
+
+/// One key of a call, resolved against the cache.
+#[derive(Debug, Clone, Copy)]
+pub struct Access<'k> {
+    /// The key bytes.
+    pub key: &'k [u8],
+    /// Its chunk when resident (pending, ready or pinned).
+    pub chunk: Option<ChunkId>,
+    /// Its end-token position in the calling request, when known.
+    pub position: Option<i64>,
+}
+
+/// One key a finishing request saw, in head-to-tail order, with how the request used it.
+#[derive(Debug, Clone, Copy)]
+pub struct FinishedKey<'k> {
+    /// The key bytes.
+    pub key: &'k [u8],
+    /// Its chunk when resident now.
+    pub chunk: Option<ChunkId>,
+    /// The request got a chunk for the key and never reused it.
+    pub inserted_only: bool,
+    /// The request loaded the key, or offered it while it was readable.
+    pub reused: bool,
+}
+
+/// The per-request slot a policy may keep state in (LRU: the request's rank).
+pub type RequestRank = Option<u64>;
+
+/// A snapshot of a policy's order, for tests and debugging.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PolicyState {
+    /// LRU: the rank of each resident chunk, and the last rank issued.
+    Lru {
+        /// `(chunk, (major, minor))` for every resident chunk, by chunk id.
+        ranks: Vec<(ChunkId, (u64, i64))>,
+        /// The counter ranks are issued from.
+        next_rank: u64,
+    },
+    /// ARC: the four lists, oldest first, and the target size of T1.
+    Arc {
+        /// Chunks seen once.
+        t1: Vec<ChunkId>,
+        /// Chunks reused.
+        t2: Vec<ChunkId>,
+        /// Keys evicted from T1.
+        b1: Vec<KeyBuf>,
+        /// Keys evicted from T2.
+        b2: Vec<KeyBuf>,
+        /// The adaptive target size of T1.
+        target: f64,
+    },
+}
+
+/// The interface every built-in policy implements. All methods are infallible for legal input;
+/// the manager validates calls before it reaches the policy.
+pub trait CachePolicy: Send {
+    /// Make room for chunk ids `0..n` (called before those ids are first inserted).
+    fn grow(&mut self, n: usize);
+    /// A new chunk, pending, for `key`; `rank` is the storing request's slot.
+    fn insert(&mut self, chunk: ChunkId, key: &[u8], position: Option<i64>, rank: &mut RequestRank);
+    /// Forget a pending chunk whose store failed (no ghost entry).
+    fn remove(&mut self, chunk: ChunkId);
+    /// Mark keys as recently used; `refs` tells pending from readable chunks.
+    fn touch(&mut self, keys: &[Access<'_>], refs: &RefCountTable);
+    /// Keys about to be stored that the request had not reported as misses before.
+    fn on_store_miss(&mut self, keys: &[&[u8]]);
+    /// Keys a request sees for the first time, in call order.
+    fn on_request_access(&mut self, keys: &[Access<'_>], rank: &mut RequestRank);
+    /// A request finished; `keys` is its head-to-tail order.
+    fn on_request_finished(&mut self, keys: &[FinishedKey<'_>]);
+    /// Choose exactly `n` evictable, unprotected chunks and drop them, or change nothing and
+    /// return `false`. Victims are appended to `out` in eviction order.
+    fn evict(
+        &mut self,
+        n: usize,
+        protected: &dyn Fn(ChunkId) -> bool,
+        keys: &[KeyBuf],
+        out: &mut Vec<ChunkId>,
+    ) -> bool;
+    /// Forget everything (chunks, order, ghosts, adaptive state).
+    fn clear(&mut self);
+    /// The chunk's ref count became 0.
+    fn mark_evictable(&mut self, chunk: ChunkId);
+    /// The chunk's ref count left 0.
+    fn mark_non_evictable(&mut self, chunk: ChunkId);
+    /// Snapshot of the policy's order.
+    fn state(&self) -> PolicyState;
+    /// Check the policy's structures against the resident chunks and their ref counts.
+    fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()>;
+    /// Set ARC's target size (tests only); `false` for policies without one.
+    fn set_target(&mut self, _target: f64) -> bool {
+        false
+    }
+}

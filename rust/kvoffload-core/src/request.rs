@@ -1,0 +1,82 @@
+//! `RequestState`: what one request has done to one manager since its cache generation began.
+//!
+//! The keys the request saw, in first-seen order, each flagged as inserted (the request got a
+//! chunk for it), reused (loaded, or offered while readable, when not inserted before) and
+//! reported (passed to the policy's `on_store_miss`). Flags only ever get set. The state is
+//! owned by the request's context, not by the manager, so it goes away with the request.
+
+use crate::key::{hash_key, KeyBuf};
+use crate::policy::RequestRank;
+use hashbrown::HashTable;
+
+/// The request got a chunk for the key in `prepare_store`.
+pub(crate) const INSERTED: u8 = 1;
+/// The request loaded the key or offered it while readable (and had not inserted it then).
+pub(crate) const REUSED: u8 = 2;
+/// The key was reported to the policy's `on_store_miss` for this request.
+pub(crate) const REPORTED: u8 = 4;
+
+/// A key the request saw and how it used it.
+#[derive(Debug, Clone)]
+pub(crate) struct SeenKey {
+    pub(crate) key: KeyBuf,
+    pub(crate) flags: u8,
+}
+
+/// Per-request state, tagged with the manager and cache generation it belongs to.
+#[derive(Debug, Clone)]
+pub struct RequestState {
+    pub(crate) owner: u64,
+    pub(crate) generation: u64,
+    pub(crate) finished: bool,
+    /// The policy's per-request slot (LRU: the request rank).
+    pub(crate) rank: RequestRank,
+    /// Index into `seen` by key hash.
+    table: HashTable<u32>,
+    pub(crate) seen: Vec<SeenKey>,
+}
+
+impl RequestState {
+    pub(crate) fn new(owner: u64, generation: u64) -> Self {
+        Self {
+            owner,
+            generation,
+            finished: false,
+            rank: None,
+            table: HashTable::new(),
+            seen: Vec::new(),
+        }
+    }
+
+    /// Whether `on_request_finished` has run for this state.
+    #[must_use]
+    pub fn is_finished(&self) -> bool {
+        self.finished
+    }
+
+    /// The keys seen, in first-seen order.
+    #[must_use]
+    pub fn seen_keys(&self) -> impl ExactSizeIterator<Item = &[u8]> {
+        self.seen.iter().map(|s| s.key.as_slice())
+    }
+
+    pub(crate) fn find(&self, key: &[u8], hash: u64) -> Option<usize> {
+        let seen = &self.seen;
+        self.table
+            .find(hash, |&i| seen[i as usize].key.as_slice() == key)
+            .map(|&i| i as usize)
+    }
+
+    /// Add an unseen key; returns its index.
+    pub(crate) fn add(&mut self, key: &[u8], hash: u64) -> usize {
+        let i = self.seen.len();
+        self.seen.push(SeenKey {
+            key: KeyBuf::from_slice(key),
+            flags: 0,
+        });
+        let seen = &self.seen;
+        self.table
+            .insert_unique(hash, i as u32, |&j| hash_key(&seen[j as usize].key));
+        i
+    }
+}
