@@ -1,0 +1,225 @@
+"""FFI-level benchmark cases, shared by the pytest-benchmark suite and ``report.py``.
+
+A case is one operation on 32 keys against a manager whose pool is full of ready (evictable)
+chunks, at a given size. Everything an operation needs (keys, contexts) is picked before the
+timed call; the Python-side view of which keys are resident is updated after it, untimed.
+
+Operations (one round each):
+- ``store_evict``: ``prepare_store`` of 32 absent keys (evicting 32) + ``complete_store``;
+- ``load_complete``: ``prepare_load`` + ``complete_load`` of 32 resident keys;
+- ``lookup``: 32 single ``lookup`` calls on resident keys;
+- ``lookup_prefix``: one ``lookup_prefix`` of 32 resident keys;
+- ``touch``: ``touch`` of 32 resident keys.
+
+A request context serves ``ROUNDS_PER_REQUEST`` rounds, as a request offers a few batches over
+its life; absent keys are recycled first-in first-out, so a context never sees a key twice.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from kvoffload import ReqContext, make_offload_key
+from kvoffload.bench import IMPLEMENTATIONS, load_implementation
+
+KEYS_PER_OP = 32
+SIZES = (1_000, 100_000, 1_000_000)
+POLICIES = ("lru", "arc")
+IMPLS = tuple(IMPLEMENTATIONS)  # ("reference", "rust")
+OPERATIONS = ("store_evict", "load_complete", "lookup", "lookup_prefix", "touch")
+ROUNDS_PER_REQUEST = 8
+FILL_BATCH = 8192
+SPARE_KEYS = 32_768  # absent keys kept for stores; enough for 1024 rounds prepared at once
+
+LABELS = {
+    "store_evict": "store with eviction (prepare_store + complete_store)",
+    "load_complete": "load (prepare_load + complete_load)",
+    "lookup": "lookup x32 (single keys)",
+    "lookup_prefix": "lookup_prefix of 32",
+    "touch": "touch 32",
+}
+
+
+def unavailable(impl: str) -> str | None:
+    """Why ``impl`` cannot be loaded, or None when it can."""
+    try:
+        load_implementation(impl)
+    except Exception as exc:  # an extension that is not built yet, typically
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def make_keys(n: int, seed: int) -> list[bytes]:
+    """``n`` distinct keys: 32 pseudo-random hash bytes + KV group 0, like a real engine's."""
+    blob = random.Random(seed).randbytes(32 * n)
+    keys = [make_offload_key(blob[i : i + 32], 0) for i in range(0, 32 * n, 32)]
+    if len(set(keys)) != n:  # 2**-200 odds; cheap to rule out
+        raise RuntimeError("duplicate benchmark keys")
+    return keys
+
+
+class FilledCache:
+    """A manager filled to capacity with ready chunks, and which keys are resident or absent."""
+
+    def __init__(self, impl: str, policy: str, num_chunks: int, seed: int = 0) -> None:
+        self.impl, self.policy, self.num_chunks = impl, policy, num_chunks
+        cls = load_implementation(impl)
+        self.manager: Any = cls(num_chunks, cache_policy=policy)
+        keys = make_keys(num_chunks + SPARE_KEYS, seed)
+        started = time.perf_counter()
+        for lo in range(0, num_chunks, FILL_BATCH):
+            batch = keys[lo : min(lo + FILL_BATCH, num_chunks)]
+            ctx = ReqContext(f"fill-{lo}")
+            out = self.manager.prepare_store(batch, ctx)
+            if out is None or len(out.keys_to_store) != len(batch):
+                raise RuntimeError(f"{impl}/{policy}: fill of {num_chunks} chunks refused")
+            self.manager.complete_store(batch, ctx)
+        self.fill_s = time.perf_counter() - started
+        self.resident: dict[bytes, None] = dict.fromkeys(keys[:num_chunks])
+        self.absent: deque[bytes] = deque(keys[num_chunks:])
+        self._resident_list: list[bytes] | None = None
+        self._rng = random.Random(seed + 1)
+        self._round = 0
+        self._ctx = ReqContext("bench-0")
+        self._outputs: list[Any] = []
+        m = self.manager
+        ps, cs, pl, cl = m.prepare_store, m.complete_store, m.prepare_load, m.complete_load
+        lk, lp, tc = m.lookup, m.lookup_prefix, m.touch
+        outputs = self._outputs
+
+        def store_evict(keys: list[bytes], ctx: ReqContext) -> None:
+            out = ps(keys, ctx)
+            cs(out.keys_to_store, ctx)
+            outputs.append(out)
+
+        def load_complete(keys: list[bytes], ctx: ReqContext) -> None:
+            pl(keys, ctx)
+            cl(keys, ctx)
+
+        def lookup(keys: list[bytes], ctx: ReqContext) -> None:
+            for key in keys:
+                lk(key, ctx)
+
+        def lookup_prefix(keys: list[bytes], ctx: ReqContext) -> None:
+            lp(keys, ctx)
+
+        def touch(keys: list[bytes], ctx: ReqContext) -> None:
+            tc(keys, ctx)
+
+        self.targets: dict[str, Callable[[list[bytes], ReqContext], None]] = {
+            "store_evict": store_evict,
+            "load_complete": load_complete,
+            "lookup": lookup,
+            "lookup_prefix": lookup_prefix,
+            "touch": touch,
+        }
+
+    def _context(self) -> ReqContext:
+        if self._round % ROUNDS_PER_REQUEST == 0:
+            self._ctx = ReqContext(f"bench-{self._round}")
+        self._round += 1
+        return self._ctx
+
+    def _resident_window(self) -> list[bytes]:
+        """32 resident keys adjacent in store order (a request's prefix), anywhere in the pool."""
+        if self._resident_list is None:
+            self._resident_list = list(self.resident)
+        keys = self._resident_list
+        start = self._rng.randrange(len(keys) - KEYS_PER_OP + 1)
+        return keys[start : start + KEYS_PER_OP]
+
+    def prepare(self, op: str, rounds: int) -> list[tuple[list[bytes], ReqContext]]:
+        """The arguments of ``rounds`` rounds of ``op`` (untimed)."""
+        self.settle()
+        if op == "store_evict":
+            if len(self.absent) < rounds * KEYS_PER_OP:
+                raise ValueError(f"at most {len(self.absent) // KEYS_PER_OP} rounds at once")
+            pop = self.absent.popleft
+            return [([pop() for _ in range(KEYS_PER_OP)], self._context()) for _ in range(rounds)]
+        if op not in self.targets:
+            raise ValueError(f"unknown operation {op!r}")
+        return [(self._resident_window(), self._context()) for _ in range(rounds)]
+
+    def settle(self) -> None:
+        """Apply the stores run since the last call to the resident/absent view (untimed)."""
+        if not self._outputs:
+            return
+        for out in self._outputs:
+            if len(out.keys_to_store) != KEYS_PER_OP or len(out.evicted_keys) != KEYS_PER_OP:
+                raise RuntimeError(
+                    f"{self.impl}/{self.policy}: a store of {KEYS_PER_OP} keys into a full pool "
+                    f"stored {len(out.keys_to_store)} and evicted {len(out.evicted_keys)}"
+                )
+            for key in out.evicted_keys:
+                del self.resident[key]
+                self.absent.append(key)
+            self.resident.update(dict.fromkeys(out.keys_to_store))
+        self._outputs.clear()
+        self._resident_list = None
+
+
+class CacheRegistry:
+    """Keeps one filled cache per implementation, so consecutive cases reuse the fill."""
+
+    def __init__(self) -> None:
+        self._caches: dict[str, FilledCache] = {}
+
+    def get(self, impl: str, policy: str, num_chunks: int) -> FilledCache:
+        """The filled cache of ``impl`` at this policy and size, filling it if needed."""
+        cache = self._caches.get(impl)
+        if cache is None or (cache.policy, cache.num_chunks) != (policy, num_chunks):
+            self._caches.pop(impl, None)
+            del cache  # let the old pool go before filling the new one
+            cache = FilledCache(impl, policy, num_chunks)
+            self._caches[impl] = cache
+        return cache
+
+
+def time_op(cache: FilledCache, op: str, *, repeat: int, min_time_s: float = 0.02) -> float:
+    """Min over ``repeat`` runs of ``op`` (timeit-style): nanoseconds per key.
+
+    Each run is as many rounds as fill ``min_time_s`` (measured once, as ``timeit.autorange``
+    does), at most what the spare keys allow for stores; the cyclic GC is paused while timing.
+    """
+    target = cache.targets[op]
+    clock = time.perf_counter_ns
+    cap = len(cache.absent) // KEYS_PER_OP - ROUNDS_PER_REQUEST if op == "store_evict" else 20_000
+    number = 1
+    while True:
+        elapsed = _run(cache, target, op, number, clock)
+        if elapsed >= min_time_s * 1e9 or number >= cap:
+            break
+        number = min(cap, number * 4)
+    best: float | None = None
+    for _ in range(repeat):
+        per_key = _run(cache, target, op, number, clock) / (number * KEYS_PER_OP)
+        best = per_key if best is None else min(best, per_key)
+    assert best is not None
+    return best
+
+
+def _run(
+    cache: FilledCache,
+    target: Callable[[list[bytes], ReqContext], None],
+    op: str,
+    number: int,
+    clock: Callable[[], int],
+) -> int:
+    args = cache.prepare(op, number)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        t0 = clock()
+        for keys, ctx in args:
+            target(keys, ctx)
+        elapsed = clock() - t0
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    cache.settle()
+    return elapsed

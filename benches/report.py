@@ -1,0 +1,133 @@
+"""Print the FFI benchmark as a markdown table for the README (no pytest needed).
+
+Runs the same cases as ``test_bench_ffi.py`` (see ``cases.py``) timeit-style: each operation is
+timed as a run of rounds (at least ~20 ms, GC paused) and the minimum over ``--repeat`` runs is
+kept. Rows: operation x pool size; columns: ns/key per implementation and the speed-up over the
+reference. Then, per implementation, how its per-key cost grows from the smallest to the largest
+pool (1.0x means flat).
+
+    python benches/report.py                       # lru, 10^3 / 10^5 / 10^6 chunks
+    python benches/report.py --policies lru,arc --sizes 1000,100000 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from cases import IMPLS, LABELS, OPERATIONS, SIZES, CacheRegistry, time_op, unavailable
+
+BASELINE = "reference"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=_ints, default=list(SIZES), help="pool sizes in chunks")
+    parser.add_argument("--policies", type=_names, default=["lru"], help="comma-separated (lru)")
+    parser.add_argument("--impls", type=_names, default=list(IMPLS), help="comma-separated")
+    parser.add_argument("--ops", type=_names, default=list(OPERATIONS), help="comma-separated")
+    parser.add_argument("--repeat", type=int, default=7, help="runs per case; min kept (7)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the numbers as JSON")
+    args = parser.parse_args(argv)
+
+    impls = []
+    for impl in args.impls:
+        reason = unavailable(impl)
+        if reason is None:
+            impls.append(impl)
+        else:
+            print(f"report: skipping {impl} ({reason})", file=sys.stderr)
+    if not impls:
+        print("report: no implementation could be loaded", file=sys.stderr)
+        return 2
+
+    # results[policy][op][size][impl] = ns per key
+    results: dict[str, dict[str, dict[int, dict[str, float]]]] = {}
+    fills: dict[str, float] = {}
+    registry = CacheRegistry()
+    for policy in args.policies:
+        per_op = results.setdefault(policy, {op: {} for op in args.ops})
+        for size in args.sizes:
+            for impl in impls:
+                started = time.perf_counter()
+                cache = registry.get(impl, policy, size)
+                fills[f"{policy}/{size}/{impl}"] = cache.fill_s
+                print(
+                    f"report: {policy} {size:>9,} chunks {impl:<10} filled in "
+                    f"{time.perf_counter() - started:.1f} s",
+                    file=sys.stderr,
+                )
+                for op in args.ops:
+                    ns = time_op(cache, op, repeat=args.repeat)
+                    per_op[op].setdefault(size, {})[impl] = ns
+                    print(f"report:   {op:<14} {ns:10.1f} ns/key", file=sys.stderr)
+
+    print(_markdown(results, impls, args))
+    if args.json is not None:
+        doc = {
+            "python": sys.version,
+            "platform": platform.platform(),
+            "repeat": args.repeat,
+            "fill_s": fills,
+            "ns_per_key": {
+                policy: {op: {str(s): v for s, v in sizes.items()} for op, sizes in ops.items()}
+                for policy, ops in results.items()
+            },
+        }
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+def _markdown(
+    results: dict[str, dict[str, dict[int, dict[str, float]]]],
+    impls: list[str],
+    args: argparse.Namespace,
+) -> str:
+    others = [i for i in impls if i != BASELINE]
+    has_base = BASELINE in impls
+    lines: list[str] = []
+    for policy, per_op in results.items():
+        header = ["operation (32 keys)", "chunks", *(f"{i} ns/key" for i in impls)]
+        if has_base:
+            header += [f"{i} speed-up" for i in others]
+        lines += [
+            f"**{policy}** policy, ns per key (min of {args.repeat} runs)",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join(["---", "---:"] + ["---:"] * (len(header) - 2)) + "|",
+        ]
+        for op, sizes in per_op.items():
+            for size, by_impl in sizes.items():
+                cells = [LABELS[op], f"{size:,}", *(f"{by_impl[i]:,.1f}" for i in impls)]
+                if has_base:
+                    cells += [f"{by_impl[BASELINE] / by_impl[i]:,.1f}x" for i in others]
+                lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+        small, large = min(args.sizes), max(args.sizes)
+        if small != large:
+            lines.append(f"Per-key cost at {large:,} vs {small:,} chunks ({policy}):")
+            lines.append("")
+            for impl in impls:
+                ratios = ", ".join(
+                    f"{op} {sizes[large][impl] / sizes[small][impl]:.2f}x"
+                    for op, sizes in per_op.items()
+                )
+                lines.append(f"- {impl}: {ratios}")
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
