@@ -1,0 +1,24 @@
+"""The reference manager: vLLM 0.33.0's ``CPUOffloadingManager`` in plain, readable Python.
+
+The Rust-backed ``kvoffload.CPUOffloadingManager`` is tested and benchmarked against it. It does not
+need the native extension.
+"""
+
+from __future__ import annotations
+
+from kvoffload.reference.admission import AdmissionTracker
+from kvoffload.reference.arc import ArcPolicy
+from kvoffload.reference.lru import LruPolicy
+from kvoffload.reference.manager import ChunkPool, CPUOffloadingManager
+from kvoffload.reference.policy import CachePolicy, ChunkStatus, RequestContext
+
+__all__ = [
+    "AdmissionTracker",
+    "ArcPolicy",
+    "CPUOffloadingManager",
+    "CachePolicy",
+    "ChunkPool",
+    "ChunkStatus",
+    "LruPolicy",
+    "RequestContext",
+]

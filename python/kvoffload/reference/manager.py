@@ -1,0 +1,551 @@
+"""The scheduler-side CPU offloading manager of vLLM 0.33.0, in plain Python.
+
+State: a `ChunkPool` of host slots, the cache policy (which holds every resident key with its
+`ChunkStatus`), counters of pending and ready chunks, the optional `AdmissionTracker`, the event
+queue, stats since the last report, and per-request state kept on each request context.
+
+Every public call validates its whole input before it changes anything, so an illegal call raises
+a `kvoffload.errors` exception and leaves the manager (and the request context) as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from kvoffload._common import (
+    build_stats,
+    check_constructor_args,
+    config_info_of,
+    removed_event,
+    resolve_policy,
+    stored_event,
+)
+from kvoffload.errors import (
+    DuplicateKeyError,
+    InvalidArgumentError,
+    InvalidKeyError,
+    KeyStateError,
+    RequestFinishedError,
+)
+from kvoffload.reference.admission import AdmissionTracker
+from kvoffload.reference.arc import ArcPolicy
+from kvoffload.reference.lru import LruPolicy
+from kvoffload.reference.policy import (
+    CachePolicy,
+    ChunkStatus,
+    RequestContext,
+    position_of,
+    require,
+    sorted_by_position,
+)
+from kvoffload.types import (
+    CacheHitSource,
+    CPULoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingStats,
+    OffloadPolicy,
+    PrepareStoreOutput,
+    RequestOffloadingContext,
+    get_offload_group_idx,
+)
+
+__all__ = ["CPUOffloadingManager", "ChunkPool"]
+
+
+class ChunkPool:
+    """Host slots ``0..num_chunks-1``: never-used ids first (ascending), then last-freed-first."""
+
+    def __init__(self, num_chunks: int) -> None:
+        self.num_chunks = num_chunks
+        self.num_handed_out = 0  # ids below this were handed out at least once
+        self.free_ids: list[int] = []  # freed ids; the last one is reused first
+
+    @property
+    def num_free(self) -> int:
+        """Ids an allocation can hand out now."""
+        return self.num_chunks - self.num_handed_out + len(self.free_ids)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` ids (the caller checked ``n <= num_free``)."""
+        fresh = min(n, self.num_chunks - self.num_handed_out)
+        ids = list(range(self.num_handed_out, self.num_handed_out + fresh))
+        self.num_handed_out += fresh
+        ids.extend(self.free_ids.pop() for _ in range(n - fresh))
+        return ids
+
+    def free(self, chunk_id: int) -> None:
+        """Return one id."""
+        self.free_ids.append(chunk_id)
+
+    def reset(self) -> None:
+        """Forget every id: the next allocation starts at 0."""
+        self.num_handed_out = 0
+        self.free_ids = []
+
+
+@dataclasses.dataclass(eq=False)
+class _RequestState:
+    """What one request did with one manager, in one cache generation."""
+
+    owner: CPUOffloadingManager
+    generation: int
+    finished: bool = False
+    seen: dict[bytes, None] = dataclasses.field(default_factory=dict)  # first-seen order
+    inserted: set[bytes] = dataclasses.field(default_factory=set)
+    reused: set[bytes] = dataclasses.field(default_factory=set)
+    store_misses_reported: set[bytes] = dataclasses.field(default_factory=set)
+
+
+def _as_key(key: object) -> bytes:
+    if not isinstance(key, bytes):
+        raise InvalidKeyError(f"a key must be bytes, got {type(key).__name__}")
+    return key
+
+
+def _as_keys(keys: object) -> list[bytes]:
+    """Return a call's keys as a list; anything but an iterable of bytes is an InvalidKeyError."""
+    if isinstance(keys, (bytes, bytearray, str)):
+        raise InvalidKeyError(f"keys must be an iterable of bytes, got {type(keys).__name__}")
+    try:
+        key_list: list[bytes] = list(keys)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidKeyError(
+            f"keys must be an iterable of bytes, got {type(keys).__name__}"
+        ) from None
+    for key in key_list:
+        _as_key(key)
+    return key_list
+
+
+def _repeats(keys: list[bytes]) -> list[bytes]:
+    seen: set[bytes] = set()
+    repeats = []
+    for key in keys:
+        if key in seen:
+            repeats.append(key)
+        seen.add(key)
+    return repeats
+
+
+class CPUOffloadingManager:
+    """vLLM 0.33.0's ``CPUOffloadingManager`` (scheduler side), the readable reference."""
+
+    medium = Medium.CPU
+
+    def __init__(
+        self,
+        num_chunks: int,
+        cache_policy: str = "lru",
+        cache_policy_module_path: str | None = None,
+        enable_events: bool = False,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+        info: object = None,
+    ) -> None:
+        check_constructor_args(num_chunks, store_threshold, max_tracker_size)
+        resolved = resolve_policy(cache_policy, cache_policy_module_path)
+        self.num_chunks = num_chunks
+        self._builtin_policy = isinstance(resolved, str)
+        self._policy: CachePolicy
+        if resolved == "lru":
+            self._policy = LruPolicy(cache_capacity=num_chunks)
+        elif resolved == "arc":
+            self._policy = ArcPolicy(cache_capacity=num_chunks)
+        else:
+            assert isinstance(resolved, type)
+            self._policy = resolved(cache_capacity=num_chunks)
+        self._pool = ChunkPool(num_chunks)
+        self._num_pending = 0  # chunks with ref_cnt -1
+        self._num_evictable = 0  # chunks with ref_cnt 0
+        self._store_threshold = store_threshold
+        self._tracker = AdmissionTracker(max_tracker_size) if store_threshold >= 2 else None
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._allocation_sizes: list[int] = []  # histogram samples since the last report
+        self._stores_skipped = 0  # since the last report
+        self._generation = 0  # bumped by reset_cache; older request state is stale
+        self._config_info = config_info_of(info)
+        self._lock = threading.Lock()
+
+    @property
+    def lock(self) -> threading.Lock:
+        """A lock callers may hold around a sequence of calls (the manager never takes it)."""
+        return self._lock
+
+    # -- request state ---------------------------------------------------------------------------
+
+    def _current_state(self, req_context: RequestContext) -> _RequestState | None:
+        state = req_context.get_state(_RequestState)
+        if state is None or state.owner is not self or state.generation != self._generation:
+            return None
+        return state
+
+    def _recording_state(self, req_context: RequestContext) -> _RequestState:
+        """Return the request's current state, created afresh if it has none or a stale one."""
+        state = self._current_state(req_context)
+        if state is None:
+            state = _RequestState(self, self._generation)
+            req_context.set_state(state)
+        return state
+
+    def _check_recordable(self, req_context: RequestContext, keys: list[bytes]) -> None:
+        """Reject a recording a finished request may not make; validate the keys' positions."""
+        state = self._current_state(req_context)
+        if state is not None and state.finished:
+            unseen = [key for key in keys if key not in state.seen]
+            if unseen:
+                raise RequestFinishedError(
+                    f"request finished; it cannot record keys it has not seen: {unseen!r}"
+                )
+        for key in keys:
+            position_of(req_context, key)
+
+    def _record(
+        self, state: _RequestState, req_context: RequestContext, accesses: list[tuple[bytes, bool]]
+    ) -> None:
+        """Record ``(key, counts_as_reuse)`` accesses in order; report new keys to the policy."""
+        new_keys = []
+        for key, is_reuse in accesses:
+            if key not in state.seen:
+                state.seen[key] = None
+                new_keys.append(key)
+            if is_reuse and key not in state.inserted:
+                state.reused.add(key)
+        if new_keys:
+            self._policy.on_request_access(new_keys, req_context)
+
+    def on_new_request(self, req_context: RequestContext) -> RequestOffloadingContext:
+        """Give the request state unless it has current state already."""
+        self._recording_state(req_context)
+        return RequestOffloadingContext(policy=OffloadPolicy.CHUNK_LEVEL)
+
+    def on_request_finished(self, req_context: RequestContext) -> None:
+        """Report the request's keys to the policy, once; then it may record no new keys."""
+        state = self._current_state(req_context)
+        if state is None or state.finished:
+            return
+        by_group: dict[int, list[bytes]] = {}
+        for key in state.seen:
+            by_group.setdefault(get_offload_group_idx(key), []).append(key)
+        groups = [sorted_by_position(by_group[g], req_context) for g in sorted(by_group)]
+        # Every position was read (and validated) above: nothing below can raise on bad input.
+        state.finished = True
+        self._policy.on_request_finished(
+            groups, state.inserted - state.reused, set(state.reused), req_context
+        )
+
+    # -- lookups -----------------------------------------------------------------------------------
+
+    def lookup(self, key: bytes, req_context: RequestContext) -> LookupResult:
+        """MISS (absent), HIT_PENDING (store in flight) or HIT (readable); changes nothing."""
+        status = self._policy.get(_as_key(key))
+        if status is None:
+            return LookupResult.MISS
+        return LookupResult.HIT if status.is_readable else LookupResult.HIT_PENDING
+
+    def lookup_prefix(self, keys: Iterable[bytes], req_context: RequestContext) -> int:
+        """How many leading keys are HIT."""
+        hits = 0
+        for key in _as_keys(keys):
+            status = self._policy.get(key)
+            if status is None or not status.is_readable:
+                break
+            hits += 1
+        return hits
+
+    def get_load_source(self, key: bytes, req_context: RequestContext) -> CacheHitSource:
+        """Return HOST: every hit of this manager is in host memory."""
+        _as_key(key)
+        return CacheHitSource.HOST
+
+    # -- loads -------------------------------------------------------------------------------------
+
+    def prepare_load(self, keys: Iterable[bytes], req_context: RequestContext) -> CPULoadStoreSpec:
+        """Pin readable keys (a repeated key is pinned twice); their ids line up with ``keys``."""
+        key_list = _as_keys(keys)
+        statuses = []
+        for key in key_list:
+            status = self._policy.get(key)
+            if status is None or not status.is_readable:
+                what = "absent" if status is None else "pending"
+                raise KeyStateError(f"cannot load key {key!r}: it is {what}")
+            statuses.append(status)
+        self._check_recordable(req_context, key_list)
+
+        for key, status in zip(key_list, statuses, strict=True):
+            status.ref_cnt += 1
+            if status.ref_cnt == 1:
+                self._num_evictable -= 1
+                self._policy.mark_non_evictable(key)
+        state = self._recording_state(req_context)
+        self._record(state, req_context, [(key, True) for key in key_list])
+        return CPULoadStoreSpec([status.chunk_id for status in statuses])
+
+    def complete_load(self, keys: Iterable[bytes], req_context: RequestContext) -> None:
+        """Unpin keys, once per occurrence; no recency change."""
+        key_list = _as_keys(keys)
+        loads = Counter(key_list)
+        statuses = {}
+        for key, n in loads.items():
+            status = self._policy.get(key)
+            if status is None or status.ref_cnt < n:
+                ref = "absent" if status is None else f"ref count {status.ref_cnt}"
+                raise KeyStateError(f"cannot complete {n} load(s) of key {key!r}: {ref}")
+            statuses[key] = status
+        for key in key_list:
+            status = statuses[key]
+            status.ref_cnt -= 1
+            if status.ref_cnt == 0:
+                self._num_evictable += 1
+                self._policy.mark_evictable(key)
+
+    def touch(self, keys: Iterable[bytes], req_context: RequestContext) -> None:
+        """Forward to the policy (records no request access)."""
+        self._policy.touch(_as_keys(keys), req_context)
+
+    # -- stores ------------------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Iterable[bytes], req_context: RequestContext
+    ) -> PrepareStoreOutput | None:
+        """Pick the keys to store and give them chunks, evicting if needed (None if impossible)."""
+        key_list = _as_keys(keys)
+        offered = set(key_list)
+        if len(offered) != len(key_list):
+            raise DuplicateKeyError(f"prepare_store got repeated keys: {_repeats(key_list)!r}")
+
+        # Partition the offer: absent keys are candidates, readable keys "existing", pending
+        # keys are skipped. Then decide the threshold up front (the count after this offer is
+        # the count before plus one), so the whole call can be checked before anything changes.
+        candidates: list[bytes] = []
+        existing: set[bytes] = set()
+        for key in key_list:
+            status = self._policy.get(key)
+            if status is None:
+                candidates.append(key)
+            elif status.is_readable:
+                existing.add(key)
+        tracker = self._tracker
+        if tracker is not None:
+            threshold = self._store_threshold
+            to_store = [k for k in candidates if tracker.count_after_one_offer(k) >= threshold]
+        else:
+            to_store = candidates
+        admitted = set(to_store)
+        recorded = [k for k in key_list if k in admitted or k in existing]
+        self._check_recordable(req_context, recorded)
+
+        # 1, 3: count the offer; drop candidates below the threshold.
+        if tracker is not None:
+            tracker.count_offer(key_list)
+            self._stores_skipped += len(candidates) - len(to_store)
+        # 4: first-time store misses of this request go to the policy.
+        state = self._recording_state(req_context)
+        misses = [k for k in to_store if k not in state.store_misses_reported]
+        if misses:
+            self._policy.on_store_miss(misses, req_context)
+            state.store_misses_reported.update(misses)
+        # 5: record the access (existing keys count as reused).
+        self._record(state, req_context, [(k, k in existing) for k in recorded])
+        # 6
+        if not to_store:
+            return PrepareStoreOutput(
+                keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[]
+            )
+        # 7
+        self._allocation_sizes.append(len(to_store))
+        # 8: make room.
+        evicted_keys: list[bytes] = []
+        shortfall = len(to_store) - self._pool.num_free
+        if shortfall > 0:
+            if shortfall > self._num_evictable:
+                return None
+            victims = self._policy.evict(shortfall, offered)
+            if victims is None:
+                return None
+            for key, status in victims:
+                self._pool.free(status.chunk_id)
+                evicted_keys.append(key)
+            self._num_evictable -= len(victims)
+            self._emit(removed_event(list(evicted_keys), metadata_only=False))
+        # 9: allocate and insert as pending.
+        chunk_ids = self._pool.allocate(len(to_store))
+        for key, chunk_id in zip(to_store, chunk_ids, strict=True):
+            self._policy.insert(key, ChunkStatus(chunk_id, -1), req_context)
+            state.inserted.add(key)
+        self._num_pending += len(to_store)
+        return PrepareStoreOutput(
+            keys_to_store=to_store,
+            store_spec=CPULoadStoreSpec(chunk_ids),
+            evicted_keys=evicted_keys,
+        )
+
+    def complete_store(
+        self, keys: Iterable[bytes], req_context: RequestContext, success: bool = True
+    ) -> None:
+        """Pending keys become ready (or, on failure, are dropped); other keys are ignored."""
+        key_list = _as_keys(keys)
+        done = []
+        for key in key_list:
+            status = self._policy.get(key)
+            if status is None or status.ref_cnt != -1:
+                continue  # absent, readable, or repeated in this call
+            if success:
+                status.ref_cnt = 0
+                self._num_evictable += 1
+                self._policy.mark_evictable(key)
+            else:
+                self._policy.remove(key)
+                self._pool.free(status.chunk_id)
+            self._num_pending -= 1
+            done.append(key)
+        if done:
+            self._emit(stored_event(done) if success else removed_event(done, metadata_only=True))
+
+    # -- events, stats, lifecycle ------------------------------------------------------------------
+
+    def _emit(self, event: OffloadingEvent) -> None:
+        if self._events is not None:
+            self._events.append(event)
+
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        """Lazily drain the queued events; the batch is detached at the first step.
+
+        A metadata-only event (cleanup of a failed store) is filtered when reached: keys that are
+        resident again are dropped, and an event left empty is skipped.
+        """
+        if self._events is None or not self._events:
+            return
+        batch, self._events = self._events, []
+        for event in batch:
+            if event.metadata_only:
+                keys = [key for key in event.keys if self._policy.get(key) is None]
+                if not keys:
+                    continue
+                event = dataclasses.replace(event, keys=keys)
+            yield event
+
+    def get_stats(self) -> OffloadingStats:
+        """Usage gauges now, plus histogram samples and skipped stores since the last call."""
+        num_used = self.num_chunks - self._pool.num_free - self._num_evictable
+        stats = build_stats(
+            self.num_chunks,
+            num_used,
+            self._num_pending,
+            self._allocation_sizes,
+            self._stores_skipped if self._tracker is not None else None,
+        )
+        self._allocation_sizes = []
+        self._stores_skipped = 0
+        return stats
+
+    def config_info(self) -> list[dict[str, Any]]:
+        """One mapping of the ``info`` fields (``[{}]`` without info)."""
+        return [dict(self._config_info)]
+
+    def reset_cache(self) -> None:
+        """Drop every chunk and the policy state; make all request state stale.
+
+        Undrained events, tracker counts, histogram samples and the skipped count are kept.
+        """
+        self._policy.clear()
+        self._pool.reset()
+        self._num_pending = 0
+        self._num_evictable = 0
+        self._generation += 1
+
+    def on_schedule_end(self, context: object = None) -> None:
+        """Nothing to do."""
+
+    def on_reset_flushed(self) -> None:
+        """Nothing to do."""
+
+    def shutdown(self) -> None:
+        """Nothing to do."""
+
+    def has_pending_work(self) -> bool:
+        """Never: this manager does no background work."""
+        return False
+
+    # -- introspection -----------------------------------------------------------------------------
+
+    def policy_state(self) -> dict[str, Any]:
+        """LRU ranks, ARC lists and target, or just the class name of an out-of-tree policy."""
+        policy = self._policy
+        if self._builtin_policy and isinstance(policy, (LruPolicy, ArcPolicy)):
+            return policy.state()
+        return {"policy": type(policy).__name__}
+
+    def resident(self) -> dict[bytes, tuple[int, int]]:
+        """``key -> (chunk_id, ref_cnt)`` for every resident key (ref -1: pending)."""
+        return {key: (status.chunk_id, status.ref_cnt) for key, status in self._policy.items()}
+
+    def tracker_state(self) -> list[tuple[bytes, int]] | None:
+        """Return the tracker's ``(key, count)`` pairs, oldest first; None when it is off."""
+        return None if self._tracker is None else self._tracker.state()
+
+    def pool_state(self) -> tuple[int, list[int]]:
+        """(never-used ids handed out so far, free list with the next id to reuse last)."""
+        return self._pool.num_handed_out, list(self._pool.free_ids)
+
+    def _debug_set_arc_target(self, value: float) -> None:
+        """Force the ARC target size of T1 (tests only)."""
+        if not (self._builtin_policy and isinstance(self._policy, ArcPolicy)):
+            raise InvalidArgumentError("the cache policy is not ARC")
+        try:
+            self._policy.target_t1_size = float(value)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(
+                f"ARC target must be a number, got {type(value).__name__}"
+            ) from None
+
+    def check_invariants(self) -> None:
+        """Raise `kvoffload.errors.InvariantViolation` if any internal invariant is broken."""
+        pool = self._pool
+        require(
+            0 <= pool.num_handed_out <= self.num_chunks,
+            f"pool handed out {pool.num_handed_out} of {self.num_chunks} ids",
+        )
+        free = set(pool.free_ids)
+        require(len(free) == len(pool.free_ids), f"free list has repeats: {pool.free_ids}")
+        require(
+            all(0 <= i < pool.num_handed_out for i in free),
+            f"free list {pool.free_ids} holds ids never handed out ({pool.num_handed_out})",
+        )
+        used: dict[int, bytes] = {}
+        num_pending = num_ready = 0
+        for key, status in self._policy.items():
+            chunk_id, ref = status.chunk_id, status.ref_cnt
+            require(ref >= -1, f"key {key!r} has ref count {ref}")
+            require(
+                0 <= chunk_id < pool.num_handed_out,
+                f"key {key!r} holds chunk {chunk_id}, not handed out ({pool.num_handed_out})",
+            )
+            require(chunk_id not in free, f"chunk {chunk_id} of key {key!r} is also free")
+            require(
+                chunk_id not in used,
+                f"chunk {chunk_id} is held by both {used.get(chunk_id)!r} and {key!r}",
+            )
+            used[chunk_id] = key
+            num_pending += ref == -1
+            num_ready += ref == 0
+        require(
+            len(used) + len(free) == pool.num_handed_out,
+            f"{pool.num_handed_out} ids handed out but {len(used)} used + {len(free)} free",
+        )
+        require(
+            num_pending == self._num_pending,
+            f"{num_pending} pending chunks, counter says {self._num_pending}",
+        )
+        require(
+            num_ready == self._num_evictable,
+            f"{num_ready} evictable chunks, counter says {self._num_evictable}",
+        )
+        if self._tracker is not None:
+            self._tracker.check_invariants()
+        self._policy.check_invariants()
