@@ -1064,10 +1064,21 @@ def test_arc_insert_removes_ghost(make_manager: MakeManager) -> None:
     ctx = ReqContext(req_id="")
     store(m, ctx, 1, 2)
     store(m, ctx, 3)  # evicts 1 to B1
-    out = store(m, ctx, 1)  # ghost hit: target 1.0; floor 1 <= |T1| 2: evicts 2
+    out = store(m, ReqContext(req_id="o"), 1)  # ghost hit: target 1.0; 1 <= |T1| 2: evicts 2
     assert out.evicted_keys == ks(2)
     assert arc_lists(m) == (ks(3, 1), [], ks(2), [])
     assert target(m) == 1.0
+
+
+def test_arc_store_miss_remembers_keys_the_request_stored(make_manager: MakeManager) -> None:
+    m = make_manager(2, cache_policy="arc")
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2)  # 1 and 2 reported to on_store_miss by ctx
+    store(m, ctx, 3)  # evicts 1 to B1
+    out = store(m, ctx, 1)  # ctx reported 1 already: no ghost hit, but 1 leaves B1
+    assert out.evicted_keys == ks(2)
+    assert arc_lists(m) == (ks(3, 1), [], ks(2), [])
+    assert target(m) == 0.0
     m.check_invariants()
 
 
