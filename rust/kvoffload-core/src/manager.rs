@@ -366,63 +366,12 @@ impl Manager {
             return Ok(Some(StoreOutcome::default()));
         }
         self.allocation_sizes.push(candidates.len() as u64);
-        // 8: make room.
-        let mut victims = Vec::new();
-        if let Some(shortfall) = candidates
-            .len()
-            .checked_sub(self.pool.num_free())
-            .filter(|&s| s > 0)
-        {
-            if shortfall > self.refs.num_evictable() {
-                return Ok(None);
-            }
-            self.protect_stamp += 1;
-            let stamp = self.protect_stamp;
-            for s in &status {
-                if let Offered::Pending(c) | Offered::Readable(c) = *s {
-                    self.protect[c as usize] = stamp;
-                }
-            }
-            let protect = &self.protect;
-            if !self.policy.evict(
-                shortfall,
-                &|c| protect[c as usize] == stamp,
-                &self.keys,
-                &mut victims,
-            ) {
-                return Ok(None);
-            }
-        }
-        // 9: evict, allocate, insert.
-        let mut evicted = Vec::with_capacity(victims.len());
-        for &c in &victims {
-            self.refs.remove(c);
-            evicted.push(self.unindex(c));
-            self.pool.free(c);
-        }
-        if !evicted.is_empty() {
-            if let Some(events) = &mut self.events {
-                events.push(Event {
-                    keys: evicted.clone(),
-                    removed: true,
-                    metadata_only: false,
-                });
-            }
-        }
-        let mut chunks = Vec::with_capacity(candidates.len());
-        let placed = self.pool.allocate(candidates.len(), &mut chunks);
-        debug_assert!(placed, "room was made for every candidate");
-        let (used, _) = self.pool.state();
-        self.grow(used as usize);
-        for (&i, &c) in candidates.iter().zip(&chunks) {
-            self.index_key(c, keys[i], hashes[i]);
-            self.refs.insert_pending(c);
-            self.policy
-                .insert(c, keys[i], positions.and_then(|p| p[i]), &mut req.rank);
-            if let Some(j) = req.find(keys[i], hashes[i]) {
-                req.seen[j].flags |= INSERTED;
-            }
-        }
+        // 8: make room; 9: evict, allocate, insert.
+        let Some(victims) = self.make_room(candidates.len(), &status) else {
+            return Ok(None);
+        };
+        let evicted = self.evict_chunks(&victims);
+        let chunks = self.place(keys, &hashes, positions, &candidates, req);
         Ok(Some(StoreOutcome {
             to_store: candidates,
             chunks,
@@ -631,6 +580,79 @@ impl Manager {
     }
 
     // --- internals ---
+
+    /// Evict enough chunks (never one of the offer's) for `n` candidates; `None` if impossible.
+    fn make_room(&mut self, n: usize, status: &[Offered]) -> Option<Vec<ChunkId>> {
+        let mut victims = Vec::new();
+        let Some(shortfall) = n.checked_sub(self.pool.num_free()).filter(|&s| s > 0) else {
+            return Some(victims);
+        };
+        if shortfall > self.refs.num_evictable() {
+            return None;
+        }
+        self.protect_stamp += 1;
+        let stamp = self.protect_stamp;
+        for s in status {
+            if let Offered::Pending(c) | Offered::Readable(c) = *s {
+                self.protect[c as usize] = stamp;
+            }
+        }
+        let protect = &self.protect;
+        self.policy
+            .evict(
+                shortfall,
+                &|c| protect[c as usize] == stamp,
+                &self.keys,
+                &mut victims,
+            )
+            .then_some(victims)
+    }
+
+    /// Drop chosen victims, free their chunks (in order) and queue one removal event.
+    fn evict_chunks(&mut self, victims: &[ChunkId]) -> Vec<KeyBuf> {
+        let mut evicted = Vec::with_capacity(victims.len());
+        for &c in victims {
+            self.refs.remove(c);
+            evicted.push(self.unindex(c));
+            self.pool.free(c);
+        }
+        if !evicted.is_empty() {
+            if let Some(events) = &mut self.events {
+                events.push(Event {
+                    keys: evicted.clone(),
+                    removed: true,
+                    metadata_only: false,
+                });
+            }
+        }
+        evicted
+    }
+
+    /// Allocate chunks for the candidates and insert them, pending, into the policy.
+    fn place(
+        &mut self,
+        keys: &[&[u8]],
+        hashes: &[u64],
+        positions: Option<&[Option<i64>]>,
+        candidates: &[usize],
+        req: &mut RequestState,
+    ) -> Vec<ChunkId> {
+        let mut chunks = Vec::with_capacity(candidates.len());
+        let placed = self.pool.allocate(candidates.len(), &mut chunks);
+        debug_assert!(placed, "room was made for every candidate");
+        let (used, _) = self.pool.state();
+        self.grow(used as usize);
+        for (&i, &c) in candidates.iter().zip(&chunks) {
+            self.index_key(c, keys[i], hashes[i]);
+            self.refs.insert_pending(c);
+            self.policy
+                .insert(c, keys[i], positions.and_then(|p| p[i]), &mut req.rank);
+            if let Some(j) = req.find(keys[i], hashes[i]) {
+                req.seen[j].flags |= INSERTED;
+            }
+        }
+        chunks
+    }
 
     fn grow(&mut self, n: usize) {
         if n > self.resident.len() {

@@ -1,0 +1,205 @@
+"""`CPUOffloadingManager`: vLLM 0.33.0's manager API over the Rust core (`kvoffload._native`).
+
+Every call crosses into Rust once; key bytes, request state and token positions are read there.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from kvoffload import _native
+from kvoffload._common import (
+    build_stats,
+    check_constructor_args,
+    config_info_of,
+    removed_event,
+    resolve_policy,
+    stored_event,
+)
+from kvoffload.errors import UnsupportedPolicyError
+from kvoffload.types import (
+    CacheHitSource,
+    CPULoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingStats,
+    PrepareStoreOutput,
+    RequestOffloadingContext,
+)
+
+__all__ = ["CPUOffloadingManager"]
+
+_LOOKUP = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
+
+
+class CPUOffloadingManager:
+    """Scheduler-side manager of a host pool of ``num_chunks`` KV chunks (Rust core).
+
+    A drop-in for vLLM 0.33.0's ``CPUOffloadingManager``: same constructor, calls, results,
+    events and stats. Illegal calls raise a :class:`kvoffload.KVOffloadError` and change nothing.
+    """
+
+    def __init__(
+        self,
+        num_chunks: int,
+        cache_policy: str = "lru",
+        cache_policy_module_path: str | None = None,
+        enable_events: bool = False,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+        info: Any = None,
+    ) -> None:
+        check_constructor_args(num_chunks, store_threshold, max_tracker_size)
+        policy = resolve_policy(cache_policy, cache_policy_module_path)
+        if not isinstance(policy, str):
+            raise UnsupportedPolicyError(
+                f"the Rust manager runs the built-in policies only (lru, arc); for the "
+                f"out-of-tree policy {cache_policy!r} use kvoffload.reference.CPUOffloadingManager"
+            )
+        self.medium: Medium = Medium.CPU
+        self._core = _native.ManagerCore(
+            num_chunks, policy, bool(enable_events), store_threshold, max_tracker_size
+        )
+        self._num_chunks = num_chunks
+        self._config_info = config_info_of(info)
+        self._lock = threading.Lock()
+
+    @property
+    def lock(self) -> threading.Lock:
+        """A lock a caller may hold across several calls (the manager never takes it itself)."""
+        return self._lock
+
+    @property
+    def num_chunks(self) -> int:
+        """Slots of the host pool."""
+        return self._num_chunks
+
+    # --- lookups ---
+
+    def lookup(self, key: bytes, req_context: Any) -> LookupResult:
+        """MISS (absent), HIT_PENDING (store in flight) or HIT (readable); changes nothing."""
+        return _LOOKUP[self._core.lookup(key)]
+
+    def lookup_prefix(self, keys: Iterable[bytes], req_context: Any) -> int:
+        """The number of leading keys that are HIT, in one call."""
+        return self._core.lookup_prefix(keys)
+
+    def get_load_source(self, key: bytes, req_context: Any) -> CacheHitSource:
+        """Where a hit comes from: always host memory."""
+        return CacheHitSource.HOST
+
+    # --- loads ---
+
+    def prepare_load(self, keys: Iterable[bytes], req_context: Any) -> CPULoadStoreSpec:
+        """Pin readable keys for loading; the spec's ids line up with ``keys``."""
+        return CPULoadStoreSpec._from_array(self._core.prepare_load(keys, req_context))
+
+    def touch(self, keys: Iterable[bytes], req_context: Any) -> None:
+        """Mark keys as recently used (forwarded to the policy)."""
+        self._core.touch(keys)
+
+    def complete_load(self, keys: Iterable[bytes], req_context: Any) -> None:
+        """Release the pins of finished loads."""
+        self._core.complete_load(keys)
+
+    # --- stores ---
+
+    def prepare_store(
+        self, keys: Iterable[bytes], req_context: Any
+    ) -> PrepareStoreOutput | None:
+        """Choose, place and (if needed) make room for the keys to store; None if impossible."""
+        out = self._core.prepare_store(keys, req_context)
+        if out is None:
+            return None
+        to_store, ids, evicted = out
+        return PrepareStoreOutput(to_store, CPULoadStoreSpec._from_array(ids), evicted)
+
+    def complete_store(
+        self, keys: Iterable[bytes], req_context: Any, success: bool = True
+    ) -> None:
+        """Make pending keys readable, or drop them when the store failed."""
+        self._core.complete_store(keys, bool(success))
+
+    # --- requests ---
+
+    def on_new_request(self, req_context: Any) -> RequestOffloadingContext:
+        """Give the request current state; it is offloaded chunk by chunk."""
+        self._core.on_new_request(req_context)
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: Any) -> None:
+        """Hand the request's accesses, head to tail, to the policy (once per request)."""
+        self._core.on_request_finished(req_context)
+
+    # --- whole cache ---
+
+    def reset_cache(self) -> None:
+        """Drop every chunk and the policy state; keep events, tracker and pending stats."""
+        self._core.reset_cache()
+
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        """Yield the queued events; the batch is detached at the first step."""
+        if not self._core.events_enabled:
+            return
+        for keys, removed, metadata_only in self._core.take_events():
+            if metadata_only:
+                # Keys stored again since the failed store are no longer removed.
+                keys = self._core.absent_keys(keys)
+                if not keys:
+                    continue
+                yield removed_event(keys, metadata_only=True)
+            elif removed:
+                yield removed_event(keys, metadata_only=False)
+            else:
+                yield stored_event(keys)
+
+    def get_stats(self) -> OffloadingStats:
+        """Usage gauges, allocation-size samples and skipped stores since the last call."""
+        num_chunks, used, pending, sizes, skipped = self._core.take_stats()
+        return build_stats(num_chunks, used, pending, sizes, skipped)
+
+    def config_info(self) -> Sequence[dict[str, Any]]:
+        """One mapping of the ``info`` fields given at construction (``[{}]`` without one)."""
+        return [dict(self._config_info)]
+
+    def on_schedule_end(self, context: Any) -> None:
+        """Nothing is deferred to the end of a step."""
+
+    def on_reset_flushed(self) -> None:
+        """Nothing waits for flushed resets."""
+
+    def has_pending_work(self) -> bool:
+        """The manager never needs extra steps."""
+        return False
+
+    def shutdown(self) -> None:
+        """Nothing to release."""
+
+    # --- checks and introspection ---
+
+    def check_invariants(self) -> None:
+        """Raise :class:`kvoffload.InvariantViolation` if any internal invariant is broken."""
+        self._core.check_invariants()
+
+    def policy_state(self) -> dict[str, Any]:
+        """The policy's order: LRU ranks, or ARC's T1/T2/B1/B2 lists and target."""
+        return self._core.policy_state()
+
+    def resident(self) -> dict[bytes, tuple[int, int]]:
+        """``{key: (chunk_id, ref_cnt)}`` of every resident key (-1 = pending)."""
+        return self._core.resident()
+
+    def tracker_state(self) -> list[tuple[bytes, int]] | None:
+        """The admission tracker's ``(key, count)`` pairs, oldest first; None without one."""
+        return self._core.tracker_state()
+
+    def pool_state(self) -> tuple[int, list[int]]:
+        """(never-used ids handed out, free list with the next-popped id last)."""
+        return self._core.pool_state()
+
+    def _debug_set_arc_target(self, value: float) -> None:
+        """Set ARC's target size (tests only)."""
+        self._core.set_arc_target(value)

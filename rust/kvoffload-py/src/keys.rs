@@ -1,0 +1,192 @@
+//! Reading a call's arguments out of Python without per-key Python code: key bytes borrowed
+//! from the `bytes` objects, token positions and request state read from the context.
+
+use crate::errors::{invalid_key, raise};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
+
+/// The `bytes` objects of a call, kept alive while their bytes are borrowed.
+pub(crate) struct Keys<'py> {
+    pub(crate) objs: Vec<Bound<'py, PyBytes>>,
+}
+
+impl<'py> Keys<'py> {
+    /// Collect the keys of `obj` (a list, tuple or any iterable of `bytes`).
+    pub(crate) fn extract(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+        let py = obj.py();
+        let mut objs = Vec::new();
+        let mut push = |item: Bound<'py, PyAny>| -> PyResult<()> {
+            match item.cast_into::<PyBytes>() {
+                Ok(b) => {
+                    objs.push(b);
+                    Ok(())
+                }
+                Err(e) => {
+                    let got = e.into_inner();
+                    let ty = got
+                        .get_type()
+                        .name()
+                        .map(|n| n.to_string())
+                        .unwrap_or_default();
+                    Err(invalid_key(py, format!("keys must be bytes, got {ty}")))
+                }
+            }
+        };
+        if let Ok(list) = obj.cast::<PyList>() {
+            for item in list.iter() {
+                push(item)?;
+            }
+        } else if let Ok(tuple) = obj.cast::<PyTuple>() {
+            for item in tuple.iter() {
+                push(item)?;
+            }
+        } else if obj.is_instance_of::<PyBytes>() {
+            return Err(invalid_key(
+                py,
+                "expected a collection of keys, got a single bytes key".into(),
+            ));
+        } else {
+            let iter = obj.try_iter().map_err(|_| {
+                let ty = obj
+                    .get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default();
+                invalid_key(py, format!("keys must be an iterable of bytes, got {ty}"))
+            })?;
+            for item in iter {
+                push(item?)?;
+            }
+        }
+        Ok(Self { objs })
+    }
+
+    /// The key bytes, lined up with the objects.
+    pub(crate) fn slices(&self) -> Vec<&[u8]> {
+        self.objs.iter().map(PyBytesMethods::as_bytes).collect()
+    }
+}
+
+/// One key argument.
+pub(crate) fn one_key<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(b.as_bytes());
+    }
+    let ty = obj
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default();
+    Err(invalid_key(
+        obj.py(),
+        format!("a key must be bytes, got {ty}"),
+    ))
+}
+
+static REQ_CONTEXT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// `kvoffload.types.ReqContext`, whose instances are read through their dicts directly.
+fn req_context_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    REQ_CONTEXT
+        .get_or_try_init(py, || {
+            py.import("kvoffload.types")?
+                .getattr("ReqContext")?
+                .cast_into::<PyType>()
+                .map(Bound::unbind)
+                .map_err(PyErr::from)
+        })
+        .map(|t| t.bind(py))
+}
+
+/// A request context: kvoffload's own `ReqContext` (fast path through its dicts) or any object
+/// with vLLM's `get_state`/`set_state`/`get_offload_key_position` methods.
+pub(crate) struct Context<'py> {
+    obj: Bound<'py, PyAny>,
+    /// `(_state, _offload_key_positions)` of a kvoffload `ReqContext`.
+    dicts: Option<(Bound<'py, PyDict>, Bound<'py, PyDict>)>,
+}
+
+impl<'py> Context<'py> {
+    pub(crate) fn new(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+        let py = obj.py();
+        let mut dicts = None;
+        if obj.get_type().is(req_context_type(py)?) {
+            let state = obj.getattr("_state")?.cast_into::<PyDict>().ok();
+            let pos = obj
+                .getattr("_offload_key_positions")?
+                .cast_into::<PyDict>()
+                .ok();
+            if let (Some(s), Some(p)) = (state, pos) {
+                dicts = Some((s, p));
+            }
+        }
+        Ok(Self {
+            obj: obj.clone(),
+            dicts,
+        })
+    }
+
+    /// `ctx.get_state(cls)`.
+    pub(crate) fn get_state(
+        &self,
+        cls: &Bound<'py, PyType>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let v = match &self.dicts {
+            Some((state, _)) => state.get_item(cls)?,
+            None => Some(self.obj.call_method1("get_state", (cls,))?),
+        };
+        Ok(v.filter(|v| !v.is_none()))
+    }
+
+    /// `ctx.set_state(value)`.
+    pub(crate) fn set_state(&self, value: &Bound<'py, PyAny>) -> PyResult<()> {
+        match &self.dicts {
+            Some((state, _)) => state.set_item(value.get_type(), value),
+            None => self.obj.call_method1("set_state", (value,)).map(drop),
+        }
+    }
+
+    /// Whether the context can hold positions at all (an empty positions dict cannot).
+    fn may_have_positions(&self) -> bool {
+        self.dicts.as_ref().is_none_or(|(_, p)| !p.is_empty())
+    }
+
+    /// The position of one key object, or `None`.
+    pub(crate) fn position(&self, key: &Bound<'py, PyAny>) -> PyResult<Option<i64>> {
+        let v = match &self.dicts {
+            Some((_, pos)) => pos.get_item(key)?,
+            None => Some(self.obj.call_method1("get_offload_key_position", (key,))?),
+        };
+        match v {
+            None => Ok(None),
+            Some(v) if v.is_none() => Ok(None),
+            Some(v) => v.extract::<i64>().map(Some).map_err(|_| {
+                let ty = v
+                    .get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default();
+                raise(
+                    v.py(),
+                    "InvalidArgumentError",
+                    format!("a token position must be an int in the int64 range, got {ty}"),
+                )
+            }),
+        }
+    }
+
+    /// Positions of `keys` (`None` when the context holds none).
+    pub(crate) fn positions(
+        &self,
+        keys: &[Bound<'py, PyBytes>],
+    ) -> PyResult<Option<Vec<Option<i64>>>> {
+        if !self.may_have_positions() {
+            return Ok(None);
+        }
+        keys.iter()
+            .map(|k| self.position(k.as_any()))
+            .collect::<PyResult<Vec<_>>>()
+            .map(Some)
+    }
+}

@@ -1,0 +1,18 @@
+//! `kvoffload._native`: `PyO3` bindings of kvoffload-core. Only module exports live here.
+
+mod errors;
+mod keys;
+mod manager;
+mod request;
+
+use pyo3::prelude::*;
+
+/// The private native module of kvoffload.
+#[pymodule(gil_used = false)]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<manager::ManagerCore>()?;
+    m.add_class::<request::RequestState>()?;
+    m.add_function(wrap_pyfunction!(errors::_raise_core_error, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,442 @@
+//! `ManagerCore`: the core manager behind a lock, with arguments read in one pass and results
+//! built after the lock is released (no Python runs while a Rust lock is held).
+
+use crate::errors::{poisoned, raise, to_py};
+use crate::keys::{one_key, Context, Keys};
+use crate::request::RequestState;
+use kvoffload_core::{self as core, Lookup, Manager, ManagerConfig, PolicyKind, PolicyState};
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use std::sync::{Mutex, MutexGuard};
+
+/// The Rust manager; `kvoffload.CPUOffloadingManager` adapts it to vLLM's API.
+#[pyclass(frozen, module = "kvoffload._native")]
+pub(crate) struct ManagerCore {
+    inner: Mutex<Manager>,
+    /// Whether the policy reads token positions during calls (LRU does; ARC only at finish).
+    reads_positions: bool,
+}
+
+impl ManagerCore {
+    fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, Manager>> {
+        self.inner.lock().map_err(|_| poisoned(py))
+    }
+
+    /// The context's current state for this manager, or a fresh one to install on success.
+    fn request_state<'py>(
+        &self,
+        py: Python<'py>,
+        ctx: &Context<'py>,
+    ) -> PyResult<(Bound<'py, RequestState>, bool)> {
+        let cls = py.get_type::<RequestState>();
+        if let Some(obj) = ctx.get_state(&cls)? {
+            if let Ok(state) = obj.cast_into::<RequestState>() {
+                let current = {
+                    let m = self.lock(py)?;
+                    let s = state.get().inner.lock().map_err(|_| poisoned(py))?;
+                    m.is_current(&s)
+                };
+                if current {
+                    return Ok((state, false));
+                }
+            }
+        }
+        let fresh = self.lock(py)?.new_request_state();
+        Ok((
+            Bound::new(
+                py,
+                RequestState {
+                    inner: Mutex::new(fresh),
+                },
+            )?,
+            true,
+        ))
+    }
+
+    fn positions<'py>(
+        &self,
+        ctx: &Context<'py>,
+        keys: &Keys<'py>,
+    ) -> PyResult<Option<Vec<Option<i64>>>> {
+        if self.reads_positions {
+            ctx.positions(&keys.objs)
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+fn lookup_code(l: Lookup) -> u8 {
+    match l {
+        Lookup::Miss => 0,
+        Lookup::Hit => 1,
+        Lookup::HitPending => 2,
+    }
+}
+
+#[pymethods]
+impl ManagerCore {
+    #[new]
+    #[pyo3(signature = (num_chunks, policy, enable_events, store_threshold, max_tracker_size))]
+    fn new(
+        py: Python<'_>,
+        num_chunks: i64,
+        policy: &str,
+        enable_events: bool,
+        store_threshold: i64,
+        max_tracker_size: i64,
+    ) -> PyResult<Self> {
+        let bad = |msg: String| raise(py, "InvalidArgumentError", msg);
+        let num_chunks = u32::try_from(num_chunks)
+            .ok()
+            .filter(|&n| i32::try_from(n).is_ok())
+            .ok_or_else(|| {
+                bad(format!(
+                    "num_chunks must be in [0, 2**31 - 1], got {num_chunks}"
+                ))
+            })?;
+        let store_threshold = u64::try_from(store_threshold).map_err(|_| {
+            bad(format!(
+                "store_threshold must be >= 0, got {store_threshold}"
+            ))
+        })?;
+        let max_tracker_size = if store_threshold >= 2 {
+            usize::try_from(max_tracker_size)
+                .ok()
+                .filter(|&n| n >= 1)
+                .ok_or_else(|| {
+                    bad(format!(
+                        "max_tracker_size must be >= 1, got {max_tracker_size}"
+                    ))
+                })?
+        } else {
+            0
+        };
+        let policy = match policy {
+            "lru" => PolicyKind::Lru,
+            "arc" => PolicyKind::Arc,
+            other => {
+                return Err(raise(
+                    py,
+                    "UnsupportedPolicyError",
+                    format!("no built-in policy {other:?}"),
+                ))
+            }
+        };
+        let config = ManagerConfig {
+            num_chunks,
+            policy,
+            enable_events,
+            store_threshold,
+            max_tracker_size,
+        };
+        let inner = Manager::new(&config).map_err(|e| to_py(py, e))?;
+        Ok(Self {
+            inner: Mutex::new(inner),
+            reads_positions: policy == PolicyKind::Lru,
+        })
+    }
+
+    /// 0 = `MISS`, 1 = `HIT`, 2 = `HIT_PENDING`.
+    fn lookup(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<u8> {
+        let key = one_key(key)?;
+        Ok(lookup_code(self.lock(py)?.lookup(key)))
+    }
+
+    /// Number of leading keys that are HIT.
+    fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let keys = Keys::extract(keys)?;
+        let slices = keys.slices();
+        Ok(self.lock(py)?.lookup_prefix(slices.iter().copied()))
+    }
+
+    /// Pin keys for loading; returns their chunk ids (int32).
+    fn prepare_load<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        ctx: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let keys = Keys::extract(keys)?;
+        let ctx = Context::new(ctx)?;
+        let positions = self.positions(&ctx, &keys)?;
+        let (state, fresh) = self.request_state(py, &ctx)?;
+        let slices = keys.slices();
+        let chunks = {
+            let mut m = self.lock(py)?;
+            let mut s = state.get().inner.lock().map_err(|_| poisoned(py))?;
+            m.prepare_load(&slices, positions.as_deref(), &mut s)
+                .map_err(|e| to_py(py, e))?
+        };
+        if fresh {
+            ctx.set_state(state.as_any())?;
+        }
+        Ok(PyArray1::from_vec(
+            py,
+            chunks.into_iter().map(|c| c as i32).collect(),
+        ))
+    }
+
+    /// Release one pin per key.
+    fn complete_load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = Keys::extract(keys)?;
+        let slices = keys.slices();
+        self.lock(py)?
+            .complete_load(&slices)
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// Forward a touch to the policy.
+    fn touch(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let keys = Keys::extract(keys)?;
+        let slices = keys.slices();
+        self.lock(py)?.touch(&slices);
+        Ok(())
+    }
+
+    /// `(keys_to_store, chunk ids, evicted keys)`, or `None` when the offer cannot be placed.
+    fn prepare_store<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        ctx: &Bound<'py, PyAny>,
+    ) -> PyResult<
+        Option<(
+            Bound<'py, PyList>,
+            Bound<'py, PyArray1<i32>>,
+            Bound<'py, PyList>,
+        )>,
+    > {
+        let keys = Keys::extract(keys)?;
+        let ctx = Context::new(ctx)?;
+        let positions = self.positions(&ctx, &keys)?;
+        let (state, fresh) = self.request_state(py, &ctx)?;
+        let slices = keys.slices();
+        let outcome = {
+            let mut m = self.lock(py)?;
+            let mut s = state.get().inner.lock().map_err(|_| poisoned(py))?;
+            m.prepare_store(&slices, positions.as_deref(), &mut s)
+                .map_err(|e| to_py(py, e))?
+        };
+        if fresh {
+            ctx.set_state(state.as_any())?;
+        }
+        let Some(out) = outcome else { return Ok(None) };
+        let to_store = PyList::new(py, out.to_store.iter().map(|&i| &keys.objs[i]))?;
+        let ids = PyArray1::from_vec(py, out.chunks.into_iter().map(|c| c as i32).collect());
+        let evicted = PyList::new(py, out.evicted.iter().map(|k| PyBytes::new(py, k)))?;
+        Ok(Some((to_store, ids, evicted)))
+    }
+
+    /// Finish stores (`success=False`: drop them).
+    fn complete_store(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        success: bool,
+    ) -> PyResult<()> {
+        let keys = Keys::extract(keys)?;
+        let slices = keys.slices();
+        self.lock(py)?.complete_store(&slices, success);
+        Ok(())
+    }
+
+    /// Create current request state on the context if it has none.
+    fn on_new_request(&self, py: Python<'_>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ctx = Context::new(ctx)?;
+        let (state, fresh) = self.request_state(py, &ctx)?;
+        if fresh {
+            ctx.set_state(state.as_any())?;
+        }
+        Ok(())
+    }
+
+    /// Finish the request whose state the context holds (if current and unfinished).
+    fn on_request_finished(&self, py: Python<'_>, ctx: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ctx = Context::new(ctx)?;
+        let Some(obj) = ctx.get_state(&py.get_type::<RequestState>())? else {
+            return Ok(());
+        };
+        let Ok(state) = obj.cast_into::<RequestState>() else {
+            return Ok(());
+        };
+        // Positions are read (Python) before any lock is taken.
+        let seen: Vec<Vec<u8>> = {
+            let m = self.lock(py)?;
+            let s = state.get().inner.lock().map_err(|_| poisoned(py))?;
+            if !m.is_current(&s) || s.is_finished() {
+                return Ok(());
+            }
+            s.seen_keys().map(<[u8]>::to_vec).collect()
+        };
+        let positions = seen
+            .iter()
+            .map(|k| ctx.position(PyBytes::new(py, k).as_any()))
+            .collect::<PyResult<Vec<_>>>()?;
+        let mut m = self.lock(py)?;
+        let mut s = state.get().inner.lock().map_err(|_| poisoned(py))?;
+        m.on_request_finished(&mut s, &positions)
+            .map_err(|e| to_py(py, e))
+    }
+
+    /// Drop every chunk and the policy state.
+    fn reset_cache(&self, py: Python<'_>) -> PyResult<()> {
+        self.lock(py)?.reset_cache();
+        Ok(())
+    }
+
+    /// Whether events are queued.
+    #[getter]
+    fn events_enabled(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.lock(py)?.events_enabled())
+    }
+
+    /// Detach the queued events as `(keys, removed, metadata_only)` tuples.
+    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<(Bound<'py, PyList>, bool, bool)>> {
+        let events = self.lock(py)?.take_events();
+        events
+            .into_iter()
+            .map(|e| {
+                let keys = PyList::new(py, e.keys.iter().map(|k| PyBytes::new(py, k)))?;
+                Ok((keys, e.removed, e.metadata_only))
+            })
+            .collect()
+    }
+
+    /// The keys of `keys` that are not resident (in order).
+    fn absent_keys<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let keys = Keys::extract(keys)?;
+        let absent: Vec<bool> = {
+            let m = self.lock(py)?;
+            keys.slices().iter().map(|k| !m.is_resident(k)).collect()
+        };
+        PyList::new(
+            py,
+            keys.objs
+                .iter()
+                .zip(absent)
+                .filter(|(_, a)| *a)
+                .map(|(k, _)| k),
+        )
+    }
+
+    /// `(num_chunks, num_used, num_pending, allocation_sizes, stores_skipped or None)`.
+    fn take_stats(&self, py: Python<'_>) -> PyResult<(u32, usize, usize, Vec<u64>, Option<u64>)> {
+        let s = self.lock(py)?.take_stats();
+        Ok((
+            s.num_chunks,
+            s.num_used,
+            s.num_pending,
+            s.allocation_sizes,
+            s.stores_skipped,
+        ))
+    }
+
+    /// Raise `InvariantViolation` if any internal invariant is broken.
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        self.lock(py)?.validate().map_err(|e| to_py(py, e))
+    }
+
+    /// `{key: (chunk_id, ref_cnt)}` of every resident key.
+    fn resident<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let rows: Vec<(Vec<u8>, u32, i32)> = self
+            .lock(py)?
+            .resident()
+            .into_iter()
+            .map(|(k, c, r)| (k.to_vec(), c, r))
+            .collect();
+        let d = PyDict::new(py);
+        for (k, c, r) in rows {
+            d.set_item(PyBytes::new(py, &k), (c, r))?;
+        }
+        Ok(d)
+    }
+
+    /// The policy's order (see `CPUOffloadingManager.policy_state`).
+    fn policy_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (state, keys) = {
+            let m = self.lock(py)?;
+            let state = m.policy_state();
+            let key = |c: &core::ChunkId| m.key_of(*c).map(<[u8]>::to_vec).unwrap_or_default();
+            let keys: Vec<Vec<Vec<u8>>> = match &state {
+                PolicyState::Lru { ranks, .. } => vec![ranks.iter().map(|(c, _)| key(c)).collect()],
+                PolicyState::Arc { t1, t2, .. } => {
+                    vec![t1.iter().map(key).collect(), t2.iter().map(key).collect()]
+                }
+            };
+            (state, keys)
+        };
+        let d = PyDict::new(py);
+        let bytes_list = |ks: &[Vec<u8>]| PyList::new(py, ks.iter().map(|k| PyBytes::new(py, k)));
+        match state {
+            PolicyState::Lru { ranks, next_rank } => {
+                let r = PyDict::new(py);
+                for ((_, rank), k) in ranks.iter().zip(&keys[0]) {
+                    r.set_item(PyBytes::new(py, k), *rank)?;
+                }
+                d.set_item("policy", "lru")?;
+                d.set_item("ranks", r)?;
+                d.set_item("next_rank", next_rank)?;
+            }
+            PolicyState::Arc { b1, b2, target, .. } => {
+                let ghosts =
+                    |g: &[core::KeyBuf]| PyList::new(py, g.iter().map(|k| PyBytes::new(py, k)));
+                d.set_item("policy", "arc")?;
+                d.set_item("t1", bytes_list(&keys[0])?)?;
+                d.set_item("t2", bytes_list(&keys[1])?)?;
+                d.set_item("b1", ghosts(&b1)?)?;
+                d.set_item("b2", ghosts(&b2)?)?;
+                d.set_item("target_t1_size", target)?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// `[(key, count)]` oldest first, or `None` without a tracker.
+    fn tracker_state<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Option<Vec<(Bound<'py, PyBytes>, u64)>>> {
+        let rows: Option<Vec<(Vec<u8>, u64)>> = self
+            .lock(py)?
+            .tracker()
+            .map(|t| t.entries().map(|(k, c)| (k.to_vec(), c)).collect());
+        Ok(rows.map(|r| {
+            r.into_iter()
+                .map(|(k, c)| (PyBytes::new(py, &k), c))
+                .collect()
+        }))
+    }
+
+    /// `(never-used ids handed out, free list with the next-popped id last)`.
+    fn pool_state(&self, py: Python<'_>) -> PyResult<(u32, Vec<u32>)> {
+        let m = self.lock(py)?;
+        let (fresh, free) = m.pool_state();
+        Ok((fresh, free.to_vec()))
+    }
+
+    /// Set ARC's target size (tests only).
+    fn set_arc_target(&self, py: Python<'_>, target: f64) -> PyResult<()> {
+        if !target.is_finite() || target < 0.0 {
+            return Err(raise(
+                py,
+                "InvalidArgumentError",
+                format!("target must be a finite value >= 0, got {target}"),
+            ));
+        }
+        if self.lock(py)?.set_arc_target(target) {
+            Ok(())
+        } else {
+            Err(raise(
+                py,
+                "InvalidArgumentError",
+                "only the ARC policy has a target size".into(),
+            ))
+        }
+    }
+}
