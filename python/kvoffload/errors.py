@@ -2,7 +2,8 @@
 
 Subclasses also derive from the matching built-in (TypeError, ValueError, KeyError) so that code
 written against vLLM's manager, which raises built-ins or asserts, can catch them generically.
-The Rust bindings raise these same classes (mapped in one place, ``rust/kvoffload-py/src/errors.rs``).
+The Rust bindings raise these same classes, mapped in one place:
+``rust/kvoffload-py/src/errors.rs``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ class DuplicateKeyError(KVOffloadError, ValueError):
 
 
 class KeyStateError(KVOffloadError, KeyError):
-    """A key is not in the state the call needs (absent or pending on load, not pinned on completion)."""
+    """A key is not in the state the call needs.
+
+    Absent or pending on ``prepare_load``; not pinned on ``complete_load``.
+    """
 
     def __str__(self) -> str:
         # KeyError quotes its argument; a state error carries a sentence, not a key.

@@ -107,9 +107,7 @@ class CPUOffloadingManager:
 
     # --- stores ---
 
-    def prepare_store(
-        self, keys: Iterable[bytes], req_context: Any
-    ) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Iterable[bytes], req_context: Any) -> PrepareStoreOutput | None:
         """Choose, place and (if needed) make room for the keys to store; None if impossible."""
         out = self._core.prepare_store(keys, req_context)
         if out is None:
@@ -117,9 +115,7 @@ class CPUOffloadingManager:
         to_store, ids, evicted = out
         return PrepareStoreOutput(to_store, CPULoadStoreSpec._from_array(ids), evicted)
 
-    def complete_store(
-        self, keys: Iterable[bytes], req_context: Any, success: bool = True
-    ) -> None:
+    def complete_store(self, keys: Iterable[bytes], req_context: Any, success: bool = True) -> None:
         """Make pending keys readable, or drop them when the store failed."""
         self._core.complete_store(keys, bool(success))
 

@@ -211,9 +211,7 @@ class OffloadingStats:
         series = self.data["data"].setdefault(name, {})
         series[labelvalues] = series.get(labelvalues, 0) + value
 
-    def observe_histogram(
-        self, name: str, value: float, labelvalues: tuple[str, ...] = ()
-    ) -> None:
+    def observe_histogram(self, name: str, value: float, labelvalues: tuple[str, ...] = ()) -> None:
         """Append one sample to a histogram."""
         self.data["types"].setdefault(name, "histogram")
         self.data["data"].setdefault(name, {}).setdefault(labelvalues, []).append(value)
