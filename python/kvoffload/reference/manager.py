@@ -6,6 +6,8 @@ queue, stats since the last report, and per-request state kept on each request c
 
 Every public call validates its whole input before it changes anything, so an illegal call raises
 a `kvoffload.errors` exception and leaves the manager (and the request context) as it was.
+That includes token positions: a call checks the position of every key it records (and
+``on_request_finished`` of every key the request saw), since policies read them mid-update.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ created for it and decides the eviction order. The manager owns the status *valu
 ``ref_cnt``) and tells the policy about every change that matters for eviction. Out-of-tree
 policies (``cache_policy`` + ``cache_policy_module_path``) are built as
 ``cls(cache_capacity=num_chunks)`` and must provide the same methods as `CachePolicy`; deriving
-from it gives the documented defaults.
+from it gives the documented defaults. ``items()`` is kvoffload's addition to vLLM's method set:
+the manager's ``resident()`` and ``check_invariants()`` enumerate residents through it.
 """
 
 from __future__ import annotations
