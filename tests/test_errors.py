@@ -193,6 +193,13 @@ CASES: dict[str, Case] = {
     # keys that are not bytes
     "lookup-str": Case(lambda w: w.m.lookup("2", w.r), InvalidKeyError, TypeError),
     "lookup-int": Case(lambda w: w.m.lookup(2, w.r), InvalidKeyError, TypeError),
+    "lookup-prefix-str": Case(
+        lambda w: w.m.lookup_prefix([k(2), "4"], w.r), InvalidKeyError, TypeError
+    ),
+    "load-source-int": Case(lambda w: w.m.get_load_source(2, w.r), InvalidKeyError, TypeError),
+    "store-one-key-not-a-list": Case(
+        lambda w: w.m.prepare_store(k(7), w.r), InvalidKeyError, TypeError
+    ),
     "load-str": Case(lambda w: w.m.prepare_load([k(2), "4"], w.r), InvalidKeyError, TypeError),
     "complete-load-int": Case(
         lambda w: w.m.complete_load([k(3), 3], w.r), InvalidKeyError, TypeError
@@ -298,9 +305,10 @@ def test_legal_neighbours_of_illegal_calls(make_manager: MakeManager) -> None:
     ids=["negative-chunks", "negative-threshold", "zero-tracker", "negative-tracker"],
 )
 def test_invalid_constructor_arguments(make_manager: MakeManager, kwargs: dict[str, int]) -> None:
-    num_chunks = kwargs.pop("num_chunks")
+    args = dict(kwargs)  # the parameter dict is shared by both implementations' runs
+    num_chunks = args.pop("num_chunks")
     with pytest.raises(InvalidArgumentError) as info:
-        make_manager(num_chunks, **kwargs)
+        make_manager(num_chunks, **args)
     assert isinstance(info.value, ValueError)
     assert isinstance(info.value, KVOffloadError)
 

@@ -21,6 +21,7 @@ from kvoffload import (
     Medium,
     OffloadingEvent,
     ReqContext,
+    UnsupportedPolicyError,
     make_offload_key,
 )
 
@@ -594,6 +595,85 @@ def test_s9_touch_leaves_the_context_unchanged(make_manager: MakeManager, policy
     # the context may be used afterwards as a fresh request
     m.on_new_request(ctx)
     assert m.prepare_store(ks(3), ctx) is not None
+    m.check_invariants()
+
+
+RECORDING_POLICY = """
+from kvoffload.reference.policy import CachePolicy
+
+
+class RecordingPolicy(CachePolicy):
+    calls = []
+
+    def __init__(self, cache_capacity):
+        super().__init__(cache_capacity)
+        self.table = {}
+
+    def get(self, key):
+        return self.table.get(key)
+
+    def insert(self, key, status, req_context):
+        self.table[key] = status
+
+    def remove(self, key):
+        del self.table[key]
+
+    def touch(self, keys, req_context):
+        RecordingPolicy.calls.append(("touch", list(keys), req_context))
+
+    def on_store_miss(self, keys, req_context):
+        RecordingPolicy.calls.append(("on_store_miss", list(keys), req_context))
+
+    def on_request_access(self, keys, req_context):
+        RecordingPolicy.calls.append(("on_request_access", list(keys), req_context))
+
+    def evict(self, n, protected):
+        victims = [(k, s) for k, s in self.table.items() if s.ref_cnt == 0 and k not in protected]
+        if len(victims) < n:
+            return None
+        for key, _ in victims[:n]:
+            del self.table[key]
+        return victims[:n]
+
+    def clear(self):
+        self.table.clear()
+
+    def items(self):
+        return iter(list(self.table.items()))
+"""
+
+
+def test_s9_touch_passes_the_context_to_the_policy(
+    make_manager: MakeManager, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "kvoffload_recording_policy.py").write_text(RECORDING_POLICY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        m = make_manager(
+            4,
+            cache_policy="RecordingPolicy",
+            cache_policy_module_path="kvoffload_recording_policy",
+        )
+    except UnsupportedPolicyError:
+        pytest.skip("this implementation runs the built-in policies only")
+    import kvoffload_recording_policy  # type: ignore[import-not-found]
+
+    calls = kvoffload_recording_policy.RecordingPolicy.calls
+    calls.clear()
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2)
+    other = ReqContext(req_id="o")
+    m.touch(ks(2, 1, 7), other)
+    assert m.prepare_store(ks(3, 1, 4), ctx).keys_to_store == ks(3, 4)
+    assert [(name, keys) for name, keys, _ in calls] == [
+        ("on_store_miss", ks(1, 2)),
+        ("on_request_access", ks(1, 2)),
+        ("touch", ks(2, 1, 7)),  # unchanged: order and absent keys are the policy's business
+        ("on_store_miss", ks(3, 4)),  # candidates, once, in one call
+        ("on_request_access", ks(3, 4)),
+    ]
+    passed = [c for _, _, c in calls]
+    assert all(c is want for c, want in zip(passed, [ctx, ctx, other, ctx, ctx], strict=True))
     m.check_invariants()
 
 

@@ -850,12 +850,15 @@ def test_reset_makes_request_ranks_stale(make_manager: MakeManager) -> None:
     m.check_invariants()
 
 
-def test_reset_unfinishes_stale_requests(make_manager: MakeManager) -> None:
+@pytest.mark.parametrize("announce", [False, True])
+def test_reset_unfinishes_stale_requests(make_manager: MakeManager, announce: bool) -> None:
     m = make_manager(4)
     req = ReqContext(req_id="a")
     store(m, req, 1)
     m.on_request_finished(req)
     m.reset_cache()
+    if announce:
+        m.on_new_request(req)  # stale state is not current: fresh state
     assert m.prepare_store(ks(2), req).keys_to_store == ks(2)
     m.check_invariants()
 
@@ -949,6 +952,7 @@ def test_small_calls(make_manager: MakeManager) -> None:
     with m.lock:
         pass
     assert m.get_load_source(k(1), ctx) is CacheHitSource.HOST
+    assert m.medium == Medium.CPU
     before = (m.policy_state(), m.resident(), m.pool_state())
     m.on_schedule_end(ctx)
     m.on_reset_flushed()
@@ -980,10 +984,14 @@ def test_lookup_prefix(make_manager: MakeManager) -> None:
     ctx = ReqContext(req_id="")
     store(m, ctx, 1, 2, 4)
     m.prepare_load(ks(2), ctx)
+    m.prepare_store(ks(5), ctx)
+    before = (m.policy_state(), m.resident(), m.pool_state())
     assert m.lookup_prefix([], ctx) == 0
-    assert m.lookup_prefix(ks(1, 2, 4), ctx) == 3
-    assert m.lookup_prefix(ks(1, 2, 3, 4), ctx) == 2
+    assert m.lookup_prefix(ks(1, 2, 4), ctx) == 3  # ready and pinned keys are hits
+    assert m.lookup_prefix(ks(1, 2, 3, 4), ctx) == 2  # stops at the first miss
+    assert m.lookup_prefix(ks(4, 5, 1), ctx) == 1  # a pending key is not a hit
     assert m.lookup_prefix(ks(3, 1), ctx) == 0
+    assert (m.policy_state(), m.resident(), m.pool_state()) == before
     m.check_invariants()
 
 
