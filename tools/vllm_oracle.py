@@ -1,0 +1,230 @@
+"""vLLM 0.33.0's own ``CPUOffloadingManager``, importable without torch or the rest of vLLM.
+
+``tools/fetch_vllm.sh`` unpacks the offloading package of the vLLM wheel into ``.oracle/src``. The
+manager's import chain reaches a few heavy modules (torch, vLLM's logger, the KV-hints protocol,
+the connector metrics module); ``load()`` puts small stand-ins for those in ``sys.modules``, gives
+the ``vllm`` packages whose ``__init__`` would import the world empty package objects, and imports
+the real manager, policies and ``ReqContext`` from the unpacked tree. Nothing of vLLM is copied
+here: the stand-ins expose only what the manager touches.
+
+``state_of(manager)`` reads vLLM's internal state into kvoffload's introspection layout
+(``resident``, ``policy_state``, ``tracker_state``, ``pool_state``), for debugging divergences
+below the public observables.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+VLLM_VERSION = "0.33.0"
+
+#: Cache directory of tools/fetch_vllm.sh; the environment variable overrides it.
+ORACLE_ENV = "KVOFFLOAD_VLLM_ORACLE"
+DEFAULT_ORACLE_DIR = Path(__file__).resolve().parent.parent / ".oracle"
+
+_MANAGER_MODULE = "vllm.v1.kv_offload.cpu.manager"
+_POLICY_MODULES = ("vllm.v1.kv_offload.cpu.policies.lru", "vllm.v1.kv_offload.cpu.policies.arc")
+# Packages whose real __init__ is heavy or not unpacked: they become empty package objects.
+_HOLLOW_PACKAGES = ("vllm", "vllm.v1", "vllm.v1.metrics", "vllm.utils")
+_METRICS_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics"
+
+
+def source_dir() -> Path:
+    """Where fetch_vllm.sh unpacked the vLLM sources."""
+    return Path(os.environ.get(ORACLE_ENV) or DEFAULT_ORACLE_DIR) / "src"
+
+
+def unavailable_reason() -> str | None:
+    """Why the oracle cannot be loaded, or None when it can."""
+    src = source_dir()
+    stamp = src / "VLLM_VERSION"
+    if not (src / "vllm/v1/kv_offload/cpu/manager.py").is_file() or not stamp.is_file():
+        return (
+            f"vLLM {VLLM_VERSION} oracle not unpacked in {src}: run tools/fetch_vllm.sh "
+            "(or tools/fetch_vllm.sh --wheel PATH to reuse a downloaded wheel)"
+        )
+    found = stamp.read_text().strip()
+    if found != VLLM_VERSION:
+        return f"oracle in {src} is vLLM {found}, not {VLLM_VERSION}: rerun tools/fetch_vllm.sh"
+    loaded = sys.modules.get("vllm")
+    if loaded is not None and not getattr(loaded, "__kvoffload_oracle__", False):
+        return "a real 'vllm' package is already imported in this process"
+    return None
+
+
+class _StatsStandIn:
+    """Stand-in for vLLM's OffloadingConnectorStats: the same self-describing ``data`` layout."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, Any] = {"types": {}, "data": {}, "info": None}
+
+    def _series(self, name: str, kind: str) -> dict[tuple[str, ...], Any]:
+        self.data["types"].setdefault(name, kind)
+        series: dict[tuple[str, ...], Any] = self.data["data"].setdefault(name, {})
+        return series
+
+    def set_gauge(self, name: str, value: float, labelvalues: tuple[str, ...] = ()) -> None:
+        """Replace a gauge's value."""
+        self._series(name, "gauge")[labelvalues] = value
+
+    def increase_counter(
+        self, name: str, value: float = 1, labelvalues: tuple[str, ...] = ()
+    ) -> None:
+        """Add to a counter."""
+        series = self._series(name, "counter")
+        series[labelvalues] = series.get(labelvalues, 0) + value
+
+    def observe_histogram(self, name: str, value: float, labelvalues: tuple[str, ...] = ()) -> None:
+        """Append a histogram sample."""
+        self._series(name, "histogram").setdefault(labelvalues, []).append(value)
+
+
+class _QuietLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """vLLM's logger adds ``*_once`` methods; the oracle only needs them to exist."""
+
+    def warning_once(self, msg: str, *args: object, **kwargs: Any) -> None:
+        """Log a warning (no deduplication needed here)."""
+        self.warning(msg, *args, **kwargs)
+
+    def info_once(self, msg: str, *args: object, **kwargs: Any) -> None:
+        """Log an info line."""
+        self.info(msg, *args, **kwargs)
+
+    def debug_once(self, msg: str, *args: object, **kwargs: Any) -> None:
+        """Log a debug line."""
+        self.debug(msg, *args, **kwargs)
+
+
+def _module(name: str, package_dir: Path | None = None, **attrs: Any) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__kvoffload_oracle__ = True  # type: ignore[attr-defined]
+    if package_dir is not None:
+        module.__path__ = [str(package_dir)]
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    return module
+
+
+def _stand_ins(src: Path) -> dict[str, types.ModuleType]:
+    """Build the modules put in sys.modules before vLLM's own files are imported."""
+    mods: dict[str, types.ModuleType] = {}
+    for name in _HOLLOW_PACKAGES:
+        mods[name] = _module(name, src.joinpath(*name.split(".")))
+    # The connector metrics module and its packages exist only as stand-ins.
+    parts = _METRICS_MODULE.split(".")
+    for i in range(2, len(parts)):
+        name = ".".join(parts[:i])
+        mods[name] = _module(name, src.joinpath(*parts[:i]))
+    mods[_METRICS_MODULE] = _module(_METRICS_MODULE, OffloadingConnectorStats=_StatsStandIn)
+    mods["vllm.logger"] = _module(
+        "vllm.logger",
+        init_logger=lambda name: _QuietLogger(logging.getLogger(name), {}),
+    )
+
+    class KvHintsEnvelope:
+        """Placeholder for the KV-hints envelope (only named in annotations)."""
+
+    class KvHintAction:
+        """Placeholder for the KV-hint action type."""
+
+    mods["vllm.v1.kv_hints"] = _module(
+        "vllm.v1.kv_hints", KvHintsEnvelope=KvHintsEnvelope, KvHintAction=KvHintAction
+    )
+    return mods
+
+
+def _torch_stand_in() -> types.ModuleType:
+    # base.py names torch.Tensor in a dataclass field annotation, evaluated at import time.
+    return _module("torch", Tensor=type("Tensor", (), {}), dtype=type("dtype", (), {}))
+
+
+@dataclass(frozen=True)
+class Oracle:
+    """The imported vLLM pieces the differential driver uses."""
+
+    CPUOffloadingManager: type
+    ReqContext: type
+    base: types.ModuleType
+    manager_module: types.ModuleType
+
+
+_loaded: Oracle | None = None
+
+
+def load() -> Oracle:
+    """Import vLLM 0.33.0's manager from the unpacked wheel (once per process)."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    src = source_dir()
+    for name, module in _stand_ins(src).items():
+        sys.modules.setdefault(name, module)
+        parent, _, leaf = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], leaf, sys.modules[name])
+    # torch is only needed while base.py is imported; afterwards the real one (if any) or none.
+    previous_torch = sys.modules.get("torch")
+    if previous_torch is None:
+        sys.modules["torch"] = _torch_stand_in()
+    try:
+        manager_module = importlib.import_module(_MANAGER_MODULE)
+        for name in _POLICY_MODULES:  # the policy factory imports these lazily
+            importlib.import_module(name)
+        base = importlib.import_module("vllm.v1.kv_offload.base")
+    finally:
+        if previous_torch is None:
+            del sys.modules["torch"]
+    _loaded = Oracle(
+        CPUOffloadingManager=manager_module.CPUOffloadingManager,
+        ReqContext=base.ReqContext,
+        base=base,
+        manager_module=manager_module,
+    )
+    return _loaded
+
+
+def state_of(manager: Any) -> dict[str, Any]:
+    """Read vLLM's internal state into kvoffload's introspection layout (see the driver)."""
+    policy = manager._policy
+    if hasattr(policy, "t1"):
+        entries = {**policy.t1, **policy.t2}
+        policy_state: dict[str, Any] = {
+            "policy": "arc",
+            "t1": list(policy.t1),
+            "t2": list(policy.t2),
+            "b1": list(policy.b1),
+            "b2": list(policy.b2),
+            # vLLM's clamps can leave an int here (max(x, 0), min(x, capacity)).
+            "target_t1_size": float(policy.target_t1_size),
+        }
+    else:
+        entries = dict(policy.chunks)
+        # vLLM pre-increments its counter, so its first rank is 1 where kvoffload's layout
+        # (ranks issued from 0, next_rank = the next to issue) has 0: shift by one.
+        ranks = {key: (major - 1, minor) for key, (major, minor) in policy._ranks.items()}
+        policy_state = {"policy": "lru", "ranks": ranks, "next_rank": policy._next_rank}
+    counts = manager.counts
+    return {
+        "resident": {key: (chunk.chunk_id, chunk.ref_cnt) for key, chunk in entries.items()},
+        "policy_state": policy_state,
+        "tracker_state": None if counts is None else list(counts.items()),
+        "pool_state": (manager._num_allocated_chunks, list(manager._free_list)),
+    }
+
+
+if __name__ == "__main__":
+    why = unavailable_reason()
+    if why is not None:
+        sys.exit(why)
+    oracle = load()
+    print(f"vLLM {VLLM_VERSION} oracle: {oracle.CPUOffloadingManager} from {source_dir()}")
