@@ -18,7 +18,7 @@ from kvoffload._common import (
     resolve_policy,
     stored_event,
 )
-from kvoffload.errors import UnsupportedPolicyError
+from kvoffload.errors import InvalidKeyError, UnsupportedPolicyError
 from kvoffload.types import (
     CacheHitSource,
     CPULoadStoreSpec,
@@ -89,6 +89,8 @@ class CPUOffloadingManager:
 
     def get_load_source(self, key: bytes, req_context: Any) -> CacheHitSource:
         """Where a hit comes from: always host memory."""
+        if not isinstance(key, bytes):
+            raise InvalidKeyError(f"a key must be bytes, got {type(key).__name__}")
         return CacheHitSource.HOST
 
     # --- loads ---

@@ -1,7 +1,7 @@
 //! `LruPolicy`: request-ranked recency.
 //!
 //! Every resident chunk has a rank `(major, minor)`; eviction takes evictable, unprotected
-//! chunks in ascending `(rank, key bytes)` order. A counter issues fresh ranks `(k, 0)`. A
+//! chunks in ascending `(rank, key bytes)` order. A counter issues fresh ranks `(k, 0)`, from 0 up. A
 //! request takes one rank `k` from the same counter at its first access, and its chunks with a
 //! known token position `p` rank `(k, -p)`: tails before heads of the same request.
 //!
@@ -28,6 +28,7 @@ pub struct LruPolicy {
     evictable: Vec<bool>,
     /// `(major, minor, chunk)` of every evictable chunk.
     order: BTreeSet<(u64, i64, ChunkId)>,
+    /// The next rank the counter issues.
     next_rank: u64,
 }
 
@@ -47,13 +48,13 @@ impl LruPolicy {
 
     fn fresh_rank(&mut self) -> Rank {
         self.next_rank += 1;
-        (self.next_rank, 0)
+        (self.next_rank - 1, 0)
     }
 
     fn request_rank(&mut self, slot: &mut RequestRank) -> u64 {
         *slot.get_or_insert_with(|| {
             self.next_rank += 1;
-            self.next_rank
+            self.next_rank - 1
         })
     }
 
@@ -249,7 +250,7 @@ impl CachePolicy for LruPolicy {
                     self.order.contains(&(a, b, i as ChunkId)),
                     "lru: chunk {i} missing from order"
                 );
-                ensure!(a <= self.next_rank, "lru: chunk {i} rank past the counter");
+                ensure!(a < self.next_rank, "lru: chunk {i} rank not yet issued");
             }
         }
         ensure!(
@@ -315,7 +316,7 @@ mod tests {
         ready(&mut p, 1, Some(32), &mut r);
         let mut other = None;
         ready(&mut p, 2, None, &mut other);
-        // Chunks 0 and 1 rank (1, -16) and (1, -32): older than chunk 2's fresh (2, 0).
+        // Chunks 0 and 1 rank (0, -16) and (0, -32): older than chunk 2's fresh (1, 0).
         assert_eq!(evict(&mut p, 3, &ks, &[]), Some(vec![1, 0, 2]));
     }
 
@@ -349,8 +350,8 @@ mod tests {
             }],
             &mut req,
         );
-        // The request's rank (2) is newer than chunk 0's (1, 0): raised to (2, -4).
-        assert_eq!(p.ranks[0], (2, -4));
+        // The request's rank (1) is newer than chunk 0's (0, 0): raised to (1, -4).
+        assert_eq!(p.ranks[0], (1, -4));
         let PolicyState::Lru { next_rank, .. } = p.state() else {
             panic!()
         };

@@ -50,7 +50,7 @@ pub enum PolicyState {
     Lru {
         /// `(chunk, (major, minor))` for every resident chunk, by chunk id.
         ranks: Vec<(ChunkId, (u64, i64))>,
-        /// The counter ranks are issued from.
+        /// The next rank the counter issues (ranks start at 0).
         next_rank: u64,
     },
     /// ARC: the four lists, oldest first, and the target size of T1.
