@@ -1,0 +1,171 @@
+"""Differential tests: the Rust manager against the reference, and both against vLLM 0.33.0.
+
+The implementations compared default to ``rust,reference``; ``KVOFFLOAD_DIFF_IMPLS`` overrides
+the list (for example ``reference,reference`` before the extension is built). The vLLM tests run
+only where ``tools/fetch_vllm.sh`` has unpacked the oracle. Longer runs: ``tools/difftest.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
+
+import _driver
+from _driver import WEIGHTS, Chooser, Config, Generator, Session
+
+IMPLS = tuple(os.environ.get("KVOFFLOAD_DIFF_IMPLS", "rust,reference").split(","))
+POLICIES = ("lru", "arc")
+THRESHOLDS = (1, 2, 3)
+
+MACHINE_SETTINGS = settings(
+    max_examples=100,
+    stateful_step_count=80,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=False,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+def _oracle() -> str:
+    reason = _driver.vllm_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return "vllm"
+
+
+class DataChooser(Chooser):
+    """Choices drawn from hypothesis, so a failing run shrinks toward plain calls."""
+
+    def __init__(self, data: st.DataObject) -> None:
+        self.data = data
+
+    def chance(self, p: float) -> bool:
+        return self.data.draw(st.integers(0, 99)) >= 100 - round(p * 100)
+
+    def int(self, lo: int, hi: int) -> int:
+        return self.data.draw(st.integers(lo, hi))
+
+
+class DifferentialMachine(RuleBasedStateMachine):
+    """Each rule makes one kind of legal call on every implementation and compares everything."""
+
+    impl_names: Sequence[str] = IMPLS
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.session: Session | None = None
+        self.gen: Generator | None = None
+
+    @initialize(data=st.data())
+    def configure(self, data: st.DataObject) -> None:
+        ch = DataChooser(data)
+        config = Config.draw(ch, big=False)
+        self.session = Session(config, [_driver.impl_spec(n) for n in self.impl_names])
+        self.gen = Generator(self.session.model, ch)
+
+    def step(self, kind: str, data: st.DataObject) -> None:
+        assert self.session is not None
+        assert self.gen is not None
+        op = self.gen.next_op(DataChooser(data), kind)
+        if op is not None:
+            self.session.apply(op)
+
+
+def _add_rules(machine: type[DifferentialMachine]) -> None:
+    # One rule per op kind; the generator keeps every call legal.
+    for kind in WEIGHTS:
+
+        def do(self: DifferentialMachine, data: st.DataObject, kind: str = kind) -> None:
+            self.step(kind, data)
+
+        do.__name__ = kind
+        setattr(machine, kind, rule(data=st.data())(do))
+
+
+_add_rules(DifferentialMachine)
+
+
+def _run_machine(impls: Sequence[str]) -> None:
+    class Machine(DifferentialMachine):
+        impl_names = impls
+
+    run_state_machine_as_test(Machine, settings=MACHINE_SETTINGS)
+
+
+def test_state_machine() -> None:
+    _run_machine(IMPLS)
+
+
+def test_state_machine_vllm_oracle() -> None:
+    _run_machine((*IMPLS, _oracle()))
+
+
+def _run_seeded(impls: Sequence[str], policy: str, threshold: int, count: int, calls: int) -> None:
+    specs = [_driver.impl_spec(name) for name in impls]
+    for seed in range(count):
+        result = _driver.run_sequence(specs, policy, threshold, seed, calls)
+        if result.mismatch is not None:
+            small = (
+                _driver.shrink(result.config, result.ops, specs, budget_s=30.0) or result.mismatch
+            )
+            pytest.fail(
+                f"{result.mismatch.report(20)}\n\nshrunk:\n{small.report(None)}\n\n"
+                f"repro:\n{small.repro()}",
+                pytrace=False,
+            )
+
+
+@pytest.mark.parametrize("threshold", THRESHOLDS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_seeded_sequences(policy: str, threshold: int) -> None:
+    _run_seeded(IMPLS, policy, threshold, count=50, calls=400)
+
+
+@pytest.mark.parametrize("threshold", THRESHOLDS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_seeded_sequences_vllm_oracle(policy: str, threshold: int) -> None:
+    _run_seeded((*IMPLS, _oracle()), policy, threshold, count=30, calls=400)
+
+
+def _broken_reference() -> _driver.ImplSpec:
+    """The reference with one planted bug: a failed store is completed as a success."""
+    from kvoffload.reference import CPUOffloadingManager
+
+    class Broken(CPUOffloadingManager):  # type: ignore[misc]
+        def complete_store(self, keys: Any, req_context: Any, success: bool = True) -> None:
+            super().complete_store(keys, req_context, True)
+
+    spec = _driver.impl_spec("reference")
+    return _driver.ImplSpec("broken", Broken, spec.context_cls, spec.state)
+
+
+def test_driver_finds_shrinks_and_reproduces_a_planted_bug() -> None:
+    specs = [_driver.impl_spec("reference"), _broken_reference()]
+    result = next(
+        r
+        for seed in range(50)
+        if (r := _driver.run_sequence(specs, "lru", 1, seed, 300)).mismatch is not None
+    )
+    small = _driver.shrink(result.config, result.ops, specs, budget_s=30.0)
+    assert small is not None
+    assert small.op.kind == "complete_store"
+    assert len(small.history) <= 4  # new_request, prepare_store, complete_store(success=False)
+    namespace: dict[str, Any] = {}
+    exec(compile(small.repro(), "<repro>", "exec"), namespace)  # the repro runs as written
+
+
+def test_driver_sequences_are_deterministic() -> None:
+    specs = [_driver.impl_spec("reference")]
+    first = _driver.run_sequence(specs, "arc", 2, 7, 200)
+    again = _driver.run_sequence(specs, "arc", 2, 7, 200)
+    assert first.mismatch is None
+    assert first.ops == again.ops
+    assert first.config == again.config
