@@ -1,0 +1,188 @@
+"""Differential test run: seeded random legal call sequences, Rust vs reference (vs vLLM 0.33.0).
+
+Example::
+
+    python tools/difftest.py --sequences 1000 --calls 1000 --policies lru arc \
+        --thresholds 1 2 3 --vllm --jobs 8
+
+Every sequence runs on each implementation side by side (``tests/_driver.py``); results, events and
+stats are compared after every call and, for kvoffload's managers, the introspected state too. The
+first mismatch of each configuration is shrunk to a short call sequence and printed with a Python
+repro. Exits 1 when any sequence mismatched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.append(str(ROOT / "python"))  # an installed kvoffload wins over the source tree
+
+from tqdm import tqdm  # noqa: E402
+
+import _driver  # noqa: E402  (tests/ is not a package)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a worker reports for one sequence (plain data: it crosses process boundaries)."""
+
+    policy: str
+    threshold: int
+    seed: int
+    calls: int
+    seconds: float
+    mismatch: str | None  # the report, when the sequence mismatched
+
+
+_specs: list[_driver.ImplSpec] = []
+_options: dict[str, object] = {}
+
+
+def _init_worker(impls: list[str], calls: int, introspect: bool, context: int) -> None:
+    _specs[:] = [_driver.impl_spec(name) for name in impls]
+    _options.update(calls=calls, introspect=introspect, context=context)
+
+
+def _run_one(task: tuple[str, int, int]) -> Outcome:
+    policy, threshold, seed = task
+    start = time.perf_counter()
+    result = _driver.run_sequence(
+        _specs,
+        policy,
+        threshold,
+        seed,
+        int(str(_options["calls"])),
+        introspect=bool(_options["introspect"]),
+    )
+    report = None
+    if result.mismatch is not None:
+        report = result.mismatch.report(int(str(_options["context"])))
+    return Outcome(policy, threshold, seed, result.calls, time.perf_counter() - start, report)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sequences", type=int, default=100, help="sequences per configuration")
+    parser.add_argument("--calls", type=int, default=1000, help="calls per sequence")
+    parser.add_argument("--policies", nargs="+", default=["lru", "arc"], choices=["lru", "arc"])
+    parser.add_argument("--thresholds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--seed", type=int, default=0, help="first seed; sequence i uses seed+i")
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        default=["rust", "reference"],
+        choices=_driver.IMPL_NAMES,
+        help="implementations compared (the first one's results drive the model)",
+    )
+    parser.add_argument("--vllm", action="store_true", help="also run vLLM 0.33.0's own manager")
+    parser.add_argument(
+        "--vllm-state",
+        action="store_true",
+        help="with --vllm: also compare vLLM's internal state (a debugging aid)",
+    )
+    parser.add_argument("--no-state", action="store_true", help="skip introspection checks")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes")
+    parser.add_argument("--no-shrink", action="store_true", help="do not shrink mismatches")
+    parser.add_argument("--shrink-seconds", type=float, default=120.0)
+    parser.add_argument("--context", type=int, default=40, help="history lines per report")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the configured sequences; print mismatches and one summary line per configuration."""
+    args = _parse(argv)
+    impls = list(args.impls)
+    if args.vllm:
+        reason = _driver.vllm_unavailable_reason()
+        if reason is not None:
+            print(f"difftest: --vllm: {reason}", file=sys.stderr)
+            return 2
+        impls.append("vllm-deep" if args.vllm_state else "vllm")
+    introspect = not args.no_state
+    tasks = [
+        (policy, threshold, args.seed + i)
+        for policy in args.policies
+        for threshold in args.thresholds
+        for i in range(args.sequences)
+    ]
+    print(f"difftest: {' vs '.join(impls)}; {len(tasks)} sequences x {args.calls} calls")
+    init_args = (impls, args.calls, introspect, args.context)
+    outcomes: list[Outcome] = []
+    bad = 0
+    start = time.perf_counter()
+    with tqdm(total=len(tasks), unit="seq", dynamic_ncols=True) as bar:
+        if args.jobs > 1:
+            with multiprocessing.Pool(args.jobs, _init_worker, init_args) as pool:
+                results = pool.imap_unordered(_run_one, tasks, chunksize=4)
+                for outcome in results:
+                    outcomes.append(outcome)
+                    bad += outcome.mismatch is not None
+                    bar.set_postfix(mismatches=bad)
+                    bar.update()
+        else:
+            _init_worker(*init_args)
+            for task in tasks:
+                outcome = _run_one(task)
+                outcomes.append(outcome)
+                bad += outcome.mismatch is not None
+                bar.set_postfix(mismatches=bad)
+                bar.update()
+    wall = time.perf_counter() - start
+
+    by_config: dict[tuple[str, int], list[Outcome]] = defaultdict(list)
+    for outcome in outcomes:
+        by_config[(outcome.policy, outcome.threshold)].append(outcome)
+    specs = [_driver.impl_spec(name) for name in impls]
+    for _config, group in sorted(by_config.items()):
+        failed = sorted((o for o in group if o.mismatch), key=lambda o: o.seed)
+        if failed:
+            _explain(failed[0], specs, introspect, args)
+    print()
+    for (policy, threshold), group in sorted(by_config.items()):
+        failed = [o.seed for o in group if o.mismatch]
+        calls = sum(o.calls for o in group)
+        cpu = sum(o.seconds for o in group)
+        seeds = f" (seeds {', '.join(map(str, sorted(failed)[:10]))})" if failed else ""
+        print(
+            f"{policy} threshold={threshold}: {len(group)} sequences, {calls:,} calls, "
+            f"{len(failed)} mismatches{seeds}, {cpu:.1f} s"
+        )
+    print(f"total: {len(outcomes)} sequences, {bad} mismatches, {wall:.1f} s wall")
+    return 1 if bad else 0
+
+
+def _explain(
+    outcome: Outcome, specs: list[_driver.ImplSpec], introspect: bool, args: argparse.Namespace
+) -> None:
+    """Print the first mismatch of a configuration, shrunk, with a repro script."""
+    print(f"\n=== {outcome.policy} threshold={outcome.threshold} seed={outcome.seed} ===")
+    print(outcome.mismatch)
+    if args.no_shrink:
+        return
+    result = _driver.run_sequence(
+        specs, outcome.policy, outcome.threshold, outcome.seed, args.calls, introspect
+    )
+    small = None
+    if result.mismatch is not None:
+        small = _driver.shrink(
+            result.config, result.ops, specs, introspect, budget_s=args.shrink_seconds
+        )
+    if small is None:
+        print("(the mismatch did not reproduce in this process; nothing to shrink)")
+        return
+    print(f"\n--- shrunk to {len(small.history)} calls ---")
+    print(small.report(None))
+    print("\n--- repro ---")
+    print(small.repro())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
