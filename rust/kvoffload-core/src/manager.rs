@@ -383,6 +383,7 @@ impl Manager {
     /// are ignored. At most one event is queued.
     pub fn complete_store(&mut self, keys: &[&[u8]], success: bool) {
         let mut done: Vec<KeyBuf> = Vec::new();
+        let keep = self.events.is_some();
         for k in keys {
             let Some(c) = self.chunk_of(k) else { continue };
             if self.refs.state(c) != ChunkState::Pending {
@@ -391,11 +392,16 @@ impl Manager {
             if success {
                 self.refs.complete_store(c);
                 self.policy.mark_evictable(c);
-                done.push(KeyBuf::from_slice(k));
+                if keep {
+                    done.push(KeyBuf::from_slice(k));
+                }
             } else {
                 self.refs.remove(c);
                 self.policy.remove(c);
-                done.push(self.unindex(c));
+                let key = self.unindex(c);
+                if keep {
+                    done.push(key);
+                }
                 self.pool.free(c);
             }
         }
