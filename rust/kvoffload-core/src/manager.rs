@@ -230,7 +230,8 @@ impl Manager {
         for (c, times) in multiplicities(&chunks) {
             self.refs.check_pin(c, times)?;
         }
-        Self::check_may_record(req, keys.iter().zip(&hashes).map(|(k, &h)| (*k, h)))?;
+        let mut call = Call::new(keys, &hashes, positions, req);
+        call.check_may_record(req, 0..keys.len())?;
 
         for &c in &chunks {
             if self.refs.pin(c) {
@@ -238,7 +239,8 @@ impl Manager {
             }
         }
         let all: Vec<usize> = (0..keys.len()).collect();
-        self.record(req, keys, &hashes, positions, &all, &all);
+        let resident: Vec<Option<ChunkId>> = chunks.iter().copied().map(Some).collect();
+        self.record(req, &mut call, &resident, &all, &all);
         Ok(chunks)
     }
 
@@ -320,7 +322,8 @@ impl Manager {
                 )
             })
             .collect();
-        Self::check_may_record(req, recorded.iter().map(|&i| (keys[i], hashes[i])))?;
+        let mut call = Call::new(keys, &hashes, positions, req);
+        call.check_may_record(req, recorded.iter().copied())?;
 
         // 1-3: count the offer, drop candidates below the threshold.
         if let Some(t) = &mut self.tracker {
@@ -340,10 +343,7 @@ impl Manager {
         let new_misses: Vec<usize> = candidates
             .iter()
             .copied()
-            .filter(|&i| {
-                req.find(keys[i], hashes[i])
-                    .is_none_or(|j| req.seen[j].flags & REPORTED == 0)
-            })
+            .filter(|&i| call.slots[i].is_none_or(|j| req.seen[j as usize].flags & REPORTED == 0))
             .collect();
         if !new_misses.is_empty() {
             let miss_keys: Vec<&[u8]> = new_misses.iter().map(|&i| keys[i]).collect();
@@ -355,10 +355,17 @@ impl Manager {
             .copied()
             .filter(|&i| matches!(status[i], Offered::Readable(_)))
             .collect();
-        self.record(req, keys, &hashes, positions, &recorded, &readable);
+        let resident: Vec<Option<ChunkId>> = status
+            .iter()
+            .map(|s| match *s {
+                Offered::Pending(c) | Offered::Readable(c) => Some(c),
+                Offered::Absent { .. } => None,
+            })
+            .collect();
+        self.record(req, &mut call, &resident, &recorded, &readable);
         for &i in &new_misses {
-            if let Some(j) = req.find(keys[i], hashes[i]) {
-                req.seen[j].flags |= REPORTED;
+            if let Some(j) = call.slots[i] {
+                req.seen[j as usize].flags |= REPORTED;
             }
         }
         // 6-7.
@@ -371,7 +378,7 @@ impl Manager {
             return Ok(None);
         };
         let evicted = self.evict_chunks(&victims);
-        let chunks = self.place(keys, &hashes, positions, &candidates, req);
+        let chunks = self.place(&call, &candidates, req);
         Ok(Some(StoreOutcome {
             to_store: candidates,
             chunks,
@@ -637,9 +644,7 @@ impl Manager {
     /// Allocate chunks for the candidates and insert them, pending, into the policy.
     fn place(
         &mut self,
-        keys: &[&[u8]],
-        hashes: &[u64],
-        positions: Option<&[Option<i64>]>,
+        call: &Call<'_>,
         candidates: &[usize],
         req: &mut RequestState,
     ) -> Vec<ChunkId> {
@@ -649,12 +654,12 @@ impl Manager {
         let (used, _) = self.pool.state();
         self.grow(used as usize);
         for (&i, &c) in candidates.iter().zip(&chunks) {
-            self.index_key(c, keys[i], hashes[i]);
+            self.index_key(c, call.keys[i], call.hashes[i]);
             self.refs.insert_pending(c);
             self.policy
-                .insert(c, keys[i], positions.and_then(|p| p[i]), &mut req.rank);
-            if let Some(j) = req.find(keys[i], hashes[i]) {
-                req.seen[j].flags |= INSERTED;
+                .insert(c, call.keys[i], call.position(i), &mut req.rank);
+            if let Some(j) = call.slots[i] {
+                req.seen[j as usize].flags |= INSERTED;
             }
         }
         chunks
@@ -690,42 +695,31 @@ impl Manager {
         key
     }
 
-    /// A finished request may only record keys it has already seen.
-    fn check_may_record<'k>(
-        req: &RequestState,
-        mut keys: impl Iterator<Item = (&'k [u8], u64)>,
-    ) -> Result<()> {
-        if !req.finished {
-            return Ok(());
-        }
-        match keys.find(|&(k, h)| req.find(k, h).is_none()) {
-            Some((k, _)) => Err(CoreError::RequestFinished(format!(
-                "request already finished; it cannot record the new key {}",
-                show_key(k)
-            ))),
-            None => Ok(()),
-        }
-    }
-
     /// Record a request's access to `keys[i]` for `i` in `which` (call order); those in `reused`
     /// become reused unless the request inserted them. New keys go to `on_request_access`.
+    /// `resident[i]` is the chunk of `keys[i]` at this moment.
     fn record(
         &mut self,
         req: &mut RequestState,
-        keys: &[&[u8]],
-        hashes: &[u64],
-        positions: Option<&[Option<i64>]>,
+        call: &mut Call<'_>,
+        resident: &[Option<ChunkId>],
         which: &[usize],
         reused: &[usize],
     ) {
         let mut new: Vec<Access<'_>> = Vec::new();
         for &i in which {
-            if req.find(keys[i], hashes[i]).is_none() {
-                req.add(keys[i], hashes[i]);
+            if call.slots[i].is_none() {
+                // A key repeated within the call was added by its first occurrence.
+                let (k, h) = (call.keys[i], call.hashes[i]);
+                if let Some(j) = req.find(k, h) {
+                    call.slots[i] = Some(j as u32);
+                    continue;
+                }
+                call.slots[i] = Some(req.add(k, h) as u32);
                 new.push(Access {
-                    key: keys[i],
-                    chunk: self.find(keys[i], hashes[i]),
-                    position: positions.and_then(|p| p[i]),
+                    key: k,
+                    chunk: resident[i],
+                    position: call.position(i),
                 });
             }
         }
@@ -733,12 +727,64 @@ impl Manager {
             self.policy.on_request_access(&new, &mut req.rank);
         }
         for &i in reused {
-            if let Some(j) = req.find(keys[i], hashes[i]) {
-                let f = &mut req.seen[j].flags;
+            if let Some(j) = call.slots[i] {
+                let f = &mut req.seen[j as usize].flags;
                 if *f & INSERTED == 0 {
                     *f |= REUSED;
                 }
             }
+        }
+    }
+}
+
+/// One recording call's keys, resolved once: hashes, positions and each key's entry in the
+/// request's state (`None` until the request has seen the key).
+struct Call<'k> {
+    keys: &'k [&'k [u8]],
+    hashes: &'k [u64],
+    positions: Option<&'k [Option<i64>]>,
+    slots: Vec<Option<u32>>,
+}
+
+impl<'k> Call<'k> {
+    fn new(
+        keys: &'k [&'k [u8]],
+        hashes: &'k [u64],
+        positions: Option<&'k [Option<i64>]>,
+        req: &RequestState,
+    ) -> Self {
+        let slots = keys
+            .iter()
+            .zip(hashes)
+            .map(|(k, &h)| req.find(k, h).map(|j| j as u32))
+            .collect();
+        Self {
+            keys,
+            hashes,
+            positions,
+            slots,
+        }
+    }
+
+    fn position(&self, i: usize) -> Option<i64> {
+        self.positions.and_then(|p| p[i])
+    }
+
+    /// A finished request may only record keys it has already seen.
+    fn check_may_record(
+        &self,
+        req: &RequestState,
+        mut which: impl Iterator<Item = usize>,
+    ) -> Result<()> {
+        if !req.finished {
+            return Ok(());
+        }
+        match which.find(|&i| self.slots[i].is_none()) {
+            Some(i) => Err(CoreError::RequestFinished(format!(
+                "request already finished; it cannot record the new key {}",
+                show_key(self.keys[i])
+            ))),
+            None => Ok(()),
         }
     }
 }
