@@ -61,6 +61,19 @@ def check_constructor_args(
         )
 
 
+CONTEXT_METHODS = ("get_state", "set_state", "get_offload_key_position")
+
+
+def check_context(req_context: object) -> None:
+    """Reject a request context that lacks the methods of vLLM's ``ReqContext``."""
+    missing = [name for name in CONTEXT_METHODS if not callable(getattr(req_context, name, None))]
+    if missing:
+        raise InvalidArgumentError(
+            f"req_context must be a ReqContext (or have {', '.join(CONTEXT_METHODS)}); "
+            f"{type(req_context).__name__} lacks {', '.join(missing)}"
+        )
+
+
 def config_info_of(info: object) -> dict[str, Any]:
     """One mapping of ``info``'s fields, with None values shown as the string "None"."""
     if info is None:

@@ -21,6 +21,7 @@ from typing import Any
 from kvoffload._common import (
     build_stats,
     check_constructor_args,
+    check_context,
     config_info_of,
     removed_event,
     resolve_policy,
@@ -182,6 +183,7 @@ class CPUOffloadingManager:
     # -- request state ---------------------------------------------------------------------------
 
     def _current_state(self, req_context: RequestContext) -> _RequestState | None:
+        check_context(req_context)
         state = req_context.get_state(_RequestState)
         if state is None or state.owner is not self or state.generation != self._generation:
             return None

@@ -121,6 +121,26 @@ impl<'py> Context<'py> {
                 dicts = Some((s, p));
             }
         }
+        if dicts.is_none() {
+            const METHODS: [&str; 3] = ["get_state", "set_state", "get_offload_key_position"];
+            for name in METHODS {
+                if !obj.getattr(name).is_ok_and(|m| m.is_callable()) {
+                    let ty = obj
+                        .get_type()
+                        .name()
+                        .map(|n| n.to_string())
+                        .unwrap_or_default();
+                    return Err(raise(
+                        py,
+                        "InvalidArgumentError",
+                        format!(
+                            "req_context must be a ReqContext (or have {}); {ty} lacks {name}",
+                            METHODS.join(", ")
+                        ),
+                    ));
+                }
+            }
+        }
         Ok(Self {
             obj: obj.clone(),
             dicts,
