@@ -31,20 +31,30 @@ IMPL_NAMES = ("rust", "reference", "vllm", "vllm-deep")
 
 
 def key(h: int, g: int = 0) -> bytes:
-    """The key of block hash ``b"h<h>"`` in KV group ``g`` (variable length, on purpose)."""
-    return b"h%d" % h + g.to_bytes(4, "big")
+    """The key of block hash ``h<h>`` in KV group ``g``.
+
+    Hashes vary in length on purpose: short ones (``b"h12"``), and every fourth one padded to a
+    real hash's 32 bytes or more (``b"h3###..."``), so byte order and storage see both.
+    """
+    return b"h%d" % h + (b"#" * 29 if h % 4 == 3 else b"") + g.to_bytes(4, "big")
+
+
+#: ``key`` as repro scripts define it.
+KEY_SOURCE = """def K(h, g=0):
+    return make_offload_key(b"h%d" % h + (b"#" * 29 if h % 4 == 3 else b""), g)"""
 
 
 def key_name(k: object) -> str:
     """``h3/1`` for ``key(3, 1)``; any other value as its repr."""
     if type(k) is bytes and len(k) >= 4:
-        return f"{k[:-4].decode('ascii', 'backslashreplace')}/{int.from_bytes(k[-4:], 'big')}"
+        head = k[:-4].rstrip(b"#").decode("ascii", "backslashreplace")
+        return f"{head}/{int.from_bytes(k[-4:], 'big')}"
     return repr(k)
 
 
 def _key_code(k: bytes) -> str:
-    head, group = k[:-4], int.from_bytes(k[-4:], "big")
-    if head[:1] == b"h" and head[1:].isdigit():
+    head, group = k[:-4].rstrip(b"#"), int.from_bytes(k[-4:], "big")
+    if head[:1] == b"h" and head[1:].isdigit() and key(int(head[1:]), group) == k:
         return f"K({int(head[1:])})" if group == 0 else f"K({int(head[1:])}, {group})"
     return repr(k)
 
@@ -61,7 +71,7 @@ class Config:
     store_threshold: int = 1
     max_tracker_size: int = 64_000
     enable_events: bool = True
-    num_groups: int = 1
+    groups: tuple[int, ...] = (0,)  # KV group indices, in the order a prompt lists them
     num_hashes: int = 8
     max_active: int = 3
 
@@ -93,7 +103,7 @@ class Config:
             store_threshold=threshold if threshold is not None else ch.int(1, 3),
             max_tracker_size=ch.int(1, 4) if tiny_tracker else ch.pick((8, 64_000)),
             enable_events=not ch.chance(0.1),
-            num_groups=2 if ch.chance(0.35) else 1,
+            groups=(0,) if not ch.chance(0.35) else ch.pick(_GROUPS),
             num_hashes=min(
                 128,
                 ch.int(2, num_chunks + 2)
@@ -102,6 +112,15 @@ class Config:
             ),
             max_active=ch.int(1, 4),
         )
+
+
+#: Group sets of multi-group configurations: two groups, unsorted, and indices that need all
+#: four big-endian bytes.
+_GROUPS = ((0, 1), (1, 0), (0, 256), (2**32 - 1, 7))
+
+
+#: Legal but unusual token positions (vLLM takes any int).
+_ODD_POSITIONS = (-32, 0, 2**31, 2**40)
 
 
 class Op(NamedTuple):
@@ -355,7 +374,10 @@ class Impl:
         self.events: Iterator[Any] | None = None
 
     def run(self, op: Op) -> Any:
-        """Apply ``op``; return its canonical result."""
+        """Apply ``op``; return its canonical result.
+
+        The prepare calls get lists and the others tuples: both are the Collections vLLM takes.
+        """
         m, kind = self.mgr, op.kind
         ctx = self.ctx.get(op.rid) if op.rid is not None else None
         if kind == "lookup":
@@ -363,13 +385,13 @@ class Impl:
         if kind == "prepare_store":
             return canon(m.prepare_store(list(op.keys), ctx))
         if kind == "complete_store":
-            return canon(m.complete_store(list(op.keys), ctx, success=op.arg))
+            return canon(m.complete_store(op.keys, ctx, success=op.arg))
         if kind == "prepare_load":
             return canon(m.prepare_load(list(op.keys), ctx))
         if kind == "complete_load":
-            return canon(m.complete_load(list(op.keys), ctx))
+            return canon(m.complete_load(op.keys, ctx))
         if kind == "touch":
-            return canon(m.touch(list(op.keys), ctx))
+            return canon(m.touch(op.keys, ctx))
         if kind == "take_events":
             self.events = iter(m.take_events())
             return self._step_events(op.arg)
@@ -638,7 +660,7 @@ class Generator:
     def __init__(self, model: Model, ch: Chooser, kinds: Sequence[str] = tuple(WEIGHTS)) -> None:
         self.model = model
         cfg = model.config
-        self.universe = [key(h, g) for h in range(cfg.num_hashes) for g in range(cfg.num_groups)]
+        self.universe = [key(h, g) for h in range(cfg.num_hashes) for g in cfg.groups]
         # Documents: chains of block hashes that requests share prefixes of.
         self.docs = [
             ch.sample(range(cfg.num_hashes), ch.int(1, min(cfg.num_hashes, 24)))
@@ -734,9 +756,10 @@ class Generator:
         prompt, positions = self.prompts[rid], self.positions[rid]
         ties, share = self.styles[rid]
         known = []
-        for j, h in enumerate(hashes, len(prompt) // self.model.config.num_groups):
+        groups = self.model.config.groups
+        for j, h in enumerate(hashes, len(prompt) // len(groups)):
             pos = 16 * (ch.int(0, 3) if ties else j + 1)
-            for g in range(self.model.config.num_groups):
+            for g in groups:
                 prompt.append(key(h, g))
                 positions[prompt[-1]] = pos
                 if share == 1.0 or (share and ch.chance(share)):
@@ -747,7 +770,10 @@ class Generator:
         req, prompt = self._req(ch)
         pairs = []
         for k in self._window(ch, prompt, 4):
-            pos = 16 * ch.int(0, 8) if ch.chance(0.1) else self.positions[req.rid][k]
+            if ch.chance(0.1):  # a changed position, now and then an extreme one
+                pos = ch.pick(_ODD_POSITIONS) if ch.chance(0.2) else 16 * ch.int(0, 8)
+            else:
+                pos = self.positions[req.rid][k]
             pairs.append((k, pos))
         return Op("set_position", req.rid, (), tuple(pairs))
 
@@ -922,8 +948,7 @@ class Mismatch(AssertionError):
             "from kvoffload import ReqContext, make_offload_key",
             "from kvoffload.reference import CPUOffloadingManager",
             "",
-            "def K(h, g=0):",
-            '    return make_offload_key(b"h%d" % h, g)',
+            KEY_SOURCE,
             "",
             "def take(it, n):",
             "    return list(islice(it, n))",
