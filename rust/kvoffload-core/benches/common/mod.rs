@@ -1,0 +1,222 @@
+//! The workload shared by the criterion bench (`benches/manager.rs`) and the callgrind driver
+//! (`examples/callgrind_ops.rs`), so both measure the same code on the same state.
+//!
+//! A [`Workload`] owns a [`Manager`] whose cache is full of evictable chunks: it has stored
+//! twice its capacity in fresh keys, so every chunk has been evicted and reused once and, for
+//! ARC, the ghost list B1 is full. Keys are 36 bytes, as in vLLM: a 32-byte block hash, then the
+//! KV-group index as a big-endian `u32`. Every operation works on batches of [`BATCH`] keys.
+//!
+//! The `run_*` functions are exactly the measured code; their inputs (keys, request states) are
+//! made beforehand by `Workload`'s methods, outside any measurement. They are `inline(never)` so
+//! that callgrind can attribute instructions to each of them.
+
+use kvoffload_core::{Manager, ManagerConfig, PolicyKind, RequestState};
+use std::hint::black_box;
+
+/// Keys per operation.
+pub(crate) const BATCH: usize = 32;
+
+/// Bytes per key: a 32-byte block hash and a 4-byte KV-group index.
+pub(crate) const KEY_LEN: usize = 36;
+
+/// One key.
+pub(crate) type Key = [u8; KEY_LEN];
+
+/// Batches stored per call while filling the cache (bounds the memory of the fill inputs).
+const FILL_BLOCK: usize = 1024;
+
+/// End-token positions of a batch: vLLM's 16-token blocks, block `i` ending at `16 * (i + 1)`.
+pub(crate) const POSITIONS: [Option<i64>; BATCH] = {
+    let mut p = [None; BATCH];
+    let mut i = 0;
+    while i < BATCH {
+        p[i] = Some(16 * (i as i64 + 1));
+        i += 1;
+    }
+    p
+};
+
+/// One step of splitmix64: a fast, well-mixed pseudo-random sequence from any seed.
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Key number `n`: a pseudo-random 32-byte hash (distinct for distinct `n`), KV group 0.
+fn key(n: u64) -> Key {
+    let mut k = [0; KEY_LEN];
+    let mut state = n;
+    for word in k[..32].chunks_exact_mut(8) {
+        word.copy_from_slice(&splitmix64(&mut state).to_le_bytes());
+    }
+    k
+}
+
+/// The keys of `keys` as the manager's API takes them.
+pub(crate) fn refs(keys: &[Key]) -> Vec<&[u8]> {
+    keys.iter().map(<[u8; KEY_LEN]>::as_slice).collect()
+}
+
+/// A manager in steady state plus the key sources of the benchmarks.
+pub(crate) struct Workload {
+    /// The manager under test.
+    pub(crate) manager: Manager,
+    /// Number of the next never-offered key.
+    next_key: u64,
+    /// The resident keys at the last [`snapshot`](Self::snapshot).
+    resident: Vec<Key>,
+    rng: u64,
+}
+
+impl Workload {
+    /// A manager of `num_chunks` chunks (no events, no admission threshold) that has stored
+    /// `2 * num_chunks` fresh keys, 32 per request, every store completed.
+    pub(crate) fn new(policy: PolicyKind, num_chunks: u32) -> Self {
+        let manager = Manager::new(&ManagerConfig {
+            num_chunks,
+            policy,
+            enable_events: false,
+            store_threshold: 1,
+            max_tracker_size: 1,
+        })
+        .expect("valid manager config");
+        let mut w = Self {
+            manager,
+            next_key: 0,
+            resident: Vec::new(),
+            rng: 0x6b76_6f66_6c6f_6164,
+        };
+        let mut left = (2 * num_chunks as usize).div_ceil(BATCH);
+        while left > 0 {
+            let n = left.min(FILL_BLOCK);
+            let keys = w.fresh_keys(n);
+            let mut reqs = w.requests(n);
+            store_batches(&mut w.manager, &refs(&keys), &mut reqs);
+            left -= n;
+        }
+        w.snapshot();
+        assert_eq!(w.resident.len(), num_chunks as usize, "the cache is full");
+        w
+    }
+
+    /// Remember the resident keys, the pool [`random_resident`](Self::random_resident) draws
+    /// from. Stores change the resident set; call this after them.
+    pub(crate) fn snapshot(&mut self) {
+        self.resident = self
+            .manager
+            .resident()
+            .into_iter()
+            .map(|(k, _, _)| Key::try_from(k).expect("36-byte keys"))
+            .collect();
+    }
+
+    /// `batches` batches of keys never offered before.
+    pub(crate) fn fresh_keys(&mut self, batches: usize) -> Vec<Key> {
+        let n = (batches * BATCH) as u64;
+        let keys = (self.next_key..self.next_key + n).map(key).collect();
+        self.next_key += n;
+        keys
+    }
+
+    /// `batches` batches of resident keys drawn at random, distinct within a batch.
+    pub(crate) fn random_resident(&mut self, batches: usize) -> Vec<Key> {
+        assert!(self.resident.len() >= BATCH, "snapshot holds a batch");
+        let len = self.resident.len() as u64;
+        let mut keys = Vec::with_capacity(batches * BATCH);
+        let mut picked = [0usize; BATCH];
+        for _ in 0..batches {
+            let mut n = 0;
+            while n < BATCH {
+                let i = (splitmix64(&mut self.rng) % len) as usize;
+                if !picked[..n].contains(&i) {
+                    picked[n] = i;
+                    n += 1;
+                }
+            }
+            keys.extend(picked.iter().map(|&i| self.resident[i]));
+        }
+        keys
+    }
+
+    /// `n` fresh request states.
+    pub(crate) fn requests(&self, n: usize) -> Vec<RequestState> {
+        (0..n).map(|_| self.manager.new_request_state()).collect()
+    }
+
+    /// `batches` unfinished requests that each loaded one batch of random resident keys (load
+    /// completed): the input of [`run_finish`].
+    pub(crate) fn finish_input(&mut self, batches: usize) -> Vec<RequestState> {
+        let keys = self.random_resident(batches);
+        let mut reqs = self.requests(batches);
+        load_batches(&mut self.manager, &refs(&keys), &mut reqs);
+        reqs
+    }
+}
+
+/// Per batch, one new request: `prepare_store` of the batch with positions, then
+/// `complete_store(success)`. Returns the number of keys evicted.
+#[inline(never)]
+pub(crate) fn run_store(m: &mut Manager, keys: &[&[u8]], reqs: &mut [RequestState]) -> usize {
+    store_batches(m, keys, reqs)
+}
+
+/// The body of [`run_store`], also used (unmeasured) to fill the cache.
+fn store_batches(m: &mut Manager, keys: &[&[u8]], reqs: &mut [RequestState]) -> usize {
+    let mut evicted = 0;
+    for (batch, req) in keys.chunks_exact(BATCH).zip(reqs) {
+        let outcome = m
+            .prepare_store(batch, Some(&POSITIONS), req)
+            .expect("a legal offer")
+            .expect("room for the batch");
+        evicted += outcome.evicted.len();
+        black_box(outcome);
+        m.complete_store(batch, true);
+    }
+    evicted
+}
+
+/// Per batch, one new request: `prepare_load` of the batch with positions, then
+/// `complete_load`.
+#[inline(never)]
+pub(crate) fn run_load(m: &mut Manager, keys: &[&[u8]], reqs: &mut [RequestState]) {
+    load_batches(m, keys, reqs);
+}
+
+/// The body of [`run_load`], also used (unmeasured) to make the input of [`run_finish`].
+fn load_batches(m: &mut Manager, keys: &[&[u8]], reqs: &mut [RequestState]) {
+    for (batch, req) in keys.chunks_exact(BATCH).zip(reqs) {
+        let chunks = m
+            .prepare_load(batch, Some(&POSITIONS), req)
+            .expect("resident, ready keys");
+        black_box(chunks);
+        m.complete_load(batch).expect("keys being loaded");
+    }
+}
+
+/// `lookup` of every key; returns the number of hits.
+#[inline(never)]
+pub(crate) fn run_lookup(m: &Manager, keys: &[&[u8]]) -> usize {
+    keys.iter()
+        .filter(|k| m.lookup(black_box(k)) == kvoffload_core::Lookup::Hit)
+        .count()
+}
+
+/// `touch` of each batch.
+#[inline(never)]
+pub(crate) fn run_touch(m: &mut Manager, keys: &[&[u8]]) {
+    for batch in keys.chunks_exact(BATCH) {
+        m.touch(batch);
+    }
+}
+
+/// `on_request_finished` of each request, with the positions of its keys.
+#[inline(never)]
+pub(crate) fn run_finish(m: &mut Manager, reqs: &mut [RequestState]) {
+    for req in reqs {
+        m.on_request_finished(req, &POSITIONS)
+            .expect("positions line up with the seen keys");
+    }
+}

@@ -1,0 +1,103 @@
+//! Runs each operation of the `manager` bench a fixed number of times on one cache, for stable
+//! instruction counts under callgrind, and prints each operation's heap allocations per key.
+//! Usage: `callgrind_ops <lru|arc> <num_chunks> <batches>`.
+//!
+//! ```text
+//! cargo build --release -p kvoffload-core --example callgrind_ops
+//! valgrind --tool=callgrind --collect-atstart=no --toggle-collect='*::run_*' \
+//!     target/release/examples/callgrind_ops arc 1000000 1000
+//! callgrind_annotate --inclusive=yes callgrind.out.<pid> | grep run_
+//! ```
+//!
+//! Each `run_*` function handles `batches` batches of 32 keys, so its inclusive Ir divided by
+//! `32 * batches` is the instruction count per key. The cache fill and the inputs are made
+//! outside the `run_*` functions and so are not counted.
+
+#[path = "../benches/common/mod.rs"]
+mod common;
+
+use common::{refs, run_finish, run_load, run_lookup, run_store, run_touch, Workload, BATCH};
+use kvoffload_core::PolicyKind;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Heap allocations (and reallocations) since the start.
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+/// The system allocator, counting allocations in [`ALLOCATIONS`].
+struct CountingAllocator;
+
+// SAFETY: every method forwards its arguments unchanged to `System`, which upholds the
+// `GlobalAlloc` contract; counting touches no memory the allocator hands out.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract for `alloc` is the one `System.alloc` requires.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from this allocator, hence from `System`, with this `layout`.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: `ptr` came from `System` with `layout`; the caller guarantees `new_size`.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: CountingAllocator = CountingAllocator;
+
+/// Run `op` and print its allocations per key (`keys` keys in all).
+fn counted<T>(name: &str, keys: usize, op: impl FnOnce() -> T) -> T {
+    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    let out = op();
+    let n = ALLOCATIONS.load(Ordering::Relaxed) - before;
+    println!("{name:<8} {:.3} allocations/key", n as f64 / keys as f64);
+    out
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let usage = "usage: callgrind_ops <lru|arc> <num_chunks> <batches>";
+    assert!(args.len() == 4, "{usage}");
+    let policy = match args[1].as_str() {
+        "lru" => PolicyKind::Lru,
+        "arc" => PolicyKind::Arc,
+        _ => panic!("{usage}"),
+    };
+    let size: u32 = args[2].parse().expect(usage);
+    let batches: usize = args[3].parse().expect(usage);
+    let n = batches * BATCH;
+
+    let mut w = Workload::new(policy, size);
+    println!(
+        "{} chunks={size} batches={batches} keys_per_op={n}",
+        args[1]
+    );
+
+    let keys = w.fresh_keys(batches);
+    let (keys, mut reqs) = (refs(&keys), w.requests(batches));
+    let evicted = counted("store", n, || run_store(&mut w.manager, &keys, &mut reqs));
+    assert_eq!(evicted, n, "one eviction per stored key");
+    w.snapshot();
+
+    let keys = w.random_resident(batches);
+    let (keys, mut reqs) = (refs(&keys), w.requests(batches));
+    counted("load", n, || run_load(&mut w.manager, &keys, &mut reqs));
+
+    let keys = w.random_resident(batches);
+    let keys = refs(&keys);
+    let hits = counted("lookup", n, || run_lookup(&w.manager, &keys));
+    assert_eq!(hits, n, "every key hits");
+
+    let keys = w.random_resident(batches);
+    let keys = refs(&keys);
+    counted("touch", n, || run_touch(&mut w.manager, &keys));
+
+    let mut reqs = w.finish_input(batches);
+    counted("finish", n, || run_finish(&mut w.manager, &mut reqs));
+}
