@@ -13,7 +13,11 @@ use crate::pool::{ChunkId, ChunkPool};
 use crate::refcount::{ChunkState, RefCountTable};
 use crate::request::{RequestState, INSERTED, REPORTED, REUSED};
 use hashbrown::HashTable;
+use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Per-call scratch lists: a scheduler batch (typically <= 32 keys) needs no heap allocation.
+type Scratch<T> = SmallVec<[T; 32]>;
 
 static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -210,7 +214,7 @@ impl Manager {
         req: &mut RequestState,
     ) -> Result<Vec<ChunkId>> {
         check_positions(keys, positions)?;
-        let hashes: Vec<u64> = keys.iter().map(|k| hash_key(k)).collect();
+        let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
         let mut chunks = Vec::with_capacity(keys.len());
         for (k, &h) in keys.iter().zip(&hashes) {
             let Some(c) = self.find(k, h) else {
@@ -238,8 +242,8 @@ impl Manager {
                 self.policy.mark_non_evictable(c);
             }
         }
-        let all: Vec<usize> = (0..keys.len()).collect();
-        let resident: Vec<Option<ChunkId>> = chunks.iter().copied().map(Some).collect();
+        let all: Scratch<usize> = (0..keys.len()).collect();
+        let resident: Scratch<Option<ChunkId>> = chunks.iter().copied().map(Some).collect();
         self.record(req, &mut call, &resident, &all, &all);
         Ok(chunks)
     }
@@ -279,7 +283,7 @@ impl Manager {
 
     /// Forward a touch to the policy (absent keys included: ARC learns from ghosts).
     pub fn touch(&mut self, keys: &[&[u8]]) {
-        let access: Vec<Access<'_>> = keys
+        let access: Scratch<Access<'_>> = keys
             .iter()
             .map(|&key| Access {
                 key,
@@ -301,9 +305,9 @@ impl Manager {
         req: &mut RequestState,
     ) -> Result<Option<StoreOutcome>> {
         check_positions(keys, positions)?;
-        let hashes: Vec<u64> = keys.iter().map(|k| hash_key(k)).collect();
+        let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
         check_distinct(keys, &hashes)?;
-        let status: Vec<Offered> = keys
+        let status: Scratch<Offered> = keys
             .iter()
             .zip(&hashes)
             .map(|(k, &h)| match self.find(k, h) {
@@ -314,7 +318,7 @@ impl Manager {
                 Some(c) => Offered::Readable(c),
             })
             .collect();
-        let recorded: Vec<usize> = (0..keys.len())
+        let recorded: Scratch<usize> = (0..keys.len())
             .filter(|&i| {
                 matches!(
                     status[i],
@@ -329,7 +333,7 @@ impl Manager {
         if let Some(t) = &mut self.tracker {
             t.record(keys.iter().copied());
         }
-        let candidates: Vec<usize> = (0..keys.len())
+        let candidates: Scratch<usize> = (0..keys.len())
             .filter(|&i| status[i] == Offered::Absent { admitted: true })
             .collect();
         if self.tracker.is_some() {
@@ -340,22 +344,22 @@ impl Manager {
             self.stores_skipped += (absent - candidates.len()) as u64;
         }
         // 4: report misses this request has not reported yet.
-        let new_misses: Vec<usize> = candidates
+        let new_misses: Scratch<usize> = candidates
             .iter()
             .copied()
             .filter(|&i| call.slots[i].is_none_or(|j| req.seen[j as usize].flags & REPORTED == 0))
             .collect();
         if !new_misses.is_empty() {
-            let miss_keys: Vec<&[u8]> = new_misses.iter().map(|&i| keys[i]).collect();
+            let miss_keys: Scratch<&[u8]> = new_misses.iter().map(|&i| keys[i]).collect();
             self.policy.on_store_miss(&miss_keys);
         }
         // 5: record the access; readable keys count as reused.
-        let readable: Vec<usize> = recorded
+        let readable: Scratch<usize> = recorded
             .iter()
             .copied()
             .filter(|&i| matches!(status[i], Offered::Readable(_)))
             .collect();
-        let resident: Vec<Option<ChunkId>> = status
+        let resident: Scratch<Option<ChunkId>> = status
             .iter()
             .map(|s| match *s {
                 Offered::Pending(c) | Offered::Readable(c) => Some(c),
@@ -380,7 +384,7 @@ impl Manager {
         let evicted = self.evict_chunks(&victims);
         let chunks = self.place(&call, &candidates, req);
         Ok(Some(StoreOutcome {
-            to_store: candidates,
+            to_store: candidates.to_vec(),
             chunks,
             evicted,
         }))
@@ -596,10 +600,10 @@ impl Manager {
 
     /// Evict enough chunks (never one of the offer's) for `n` candidates; `None` if impossible.
     fn make_room(&mut self, n: usize, status: &[Offered]) -> Option<Vec<ChunkId>> {
-        let mut victims = Vec::new();
         let Some(shortfall) = n.checked_sub(self.pool.num_free()).filter(|&s| s > 0) else {
-            return Some(victims);
+            return Some(Vec::new());
         };
+        let mut victims = Vec::with_capacity(shortfall);
         if shortfall > self.refs.num_evictable() {
             return None;
         }
@@ -706,7 +710,8 @@ impl Manager {
         which: &[usize],
         reused: &[usize],
     ) {
-        let mut new: Vec<Access<'_>> = Vec::new();
+        req.reserve(which.len());
+        let mut new: Scratch<Access<'_>> = SmallVec::new();
         for &i in which {
             if call.slots[i].is_none() {
                 // A key repeated within the call was added by its first occurrence.
@@ -743,7 +748,7 @@ struct Call<'k> {
     keys: &'k [&'k [u8]],
     hashes: &'k [u64],
     positions: Option<&'k [Option<i64>]>,
-    slots: Vec<Option<u32>>,
+    slots: Scratch<Option<u32>>,
 }
 
 impl<'k> Call<'k> {
@@ -812,7 +817,8 @@ fn check_distinct(keys: &[&[u8]], hashes: &[u64]) -> Result<()> {
     if keys.len() < 2 {
         return Ok(());
     }
-    let mut order: Vec<(u64, &[u8])> = hashes.iter().copied().zip(keys.iter().copied()).collect();
+    let mut order: Scratch<(u64, &[u8])> =
+        hashes.iter().copied().zip(keys.iter().copied()).collect();
     order.sort_unstable();
     match order.windows(2).find(|w| w[0] == w[1]) {
         Some(w) => Err(CoreError::DuplicateKey(format!(

@@ -67,6 +67,13 @@ impl RequestState {
             .map(|&i| i as usize)
     }
 
+    /// Make room for `n` more keys.
+    pub(crate) fn reserve(&mut self, n: usize) {
+        self.seen.reserve(n);
+        let seen = &self.seen;
+        self.table.reserve(n, |&j| hash_key(&seen[j as usize].key));
+    }
+
     /// Add an unseen key; returns its index.
     pub(crate) fn add(&mut self, key: &[u8], hash: u64) -> usize {
         let i = self.seen.len();
