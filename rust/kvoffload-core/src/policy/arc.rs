@@ -2,17 +2,18 @@
 //! B1/B2 (keys only), with a real-valued target size for T1.
 //!
 //! T1 and T2 are orders by a sequence number taken from one counter on every move to a list's
-//! newest end. Besides its length, each list keeps an ordered map of its *evictable* entries, so
-//! eviction starts at the oldest evictable entry and never walks past pinned or pending ones.
+//! newest end. Besides its length, each list keeps an [`EvictionOrder`] of its *evictable*
+//! entries (moves to the newest end append in O(1)), so eviction starts at the oldest evictable
+//! entry and never walks past pinned or pending ones.
 //! Ghost lists are linked hash sets, trimmed to the capacity after each successful eviction.
 
+use super::order::EvictionOrder;
 use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
 use crate::key::{KeyBuf, KeyHasher};
 use crate::pool::ChunkId;
 use crate::refcount::RefCountTable;
 use hashlink::LinkedHashSet;
-use std::collections::BTreeMap;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum List {
@@ -32,9 +33,9 @@ pub struct ArcPolicy {
     t1_len: usize,
     t2_len: usize,
     /// Evictable T1 entries by sequence number (oldest first).
-    t1_evictable: BTreeMap<u64, ChunkId>,
+    t1_evictable: EvictionOrder<u64>,
     /// Evictable T2 entries by sequence number (oldest first).
-    t2_evictable: BTreeMap<u64, ChunkId>,
+    t2_evictable: EvictionOrder<u64>,
     next_seq: u64,
     b1: LinkedHashSet<KeyBuf, KeyHasher>,
     b2: LinkedHashSet<KeyBuf, KeyHasher>,
@@ -51,8 +52,8 @@ impl ArcPolicy {
             evictable: Vec::new(),
             t1_len: 0,
             t2_len: 0,
-            t1_evictable: BTreeMap::new(),
-            t2_evictable: BTreeMap::new(),
+            t1_evictable: EvictionOrder::new(),
+            t2_evictable: EvictionOrder::new(),
             next_seq: 0,
             b1: LinkedHashSet::with_hasher(KeyHasher),
             b2: LinkedHashSet::with_hasher(KeyHasher),
@@ -65,7 +66,7 @@ impl ArcPolicy {
         self.target
     }
 
-    fn evictable_map(&mut self, l: List) -> &mut BTreeMap<u64, ChunkId> {
+    fn evictable_map(&mut self, l: List) -> &mut EvictionOrder<u64> {
         if l == List::T1 {
             &mut self.t1_evictable
         } else {
@@ -75,9 +76,9 @@ impl ArcPolicy {
 
     fn unlink(&mut self, chunk: ChunkId) -> List {
         let i = chunk as usize;
-        let (l, seq) = self.list[i];
+        let (l, _) = self.list[i];
         if l != List::None && self.evictable[i] {
-            self.evictable_map(l).remove(&seq);
+            self.evictable_map(l).remove(chunk);
         }
         match l {
             List::T1 => self.t1_len -= 1,
@@ -101,7 +102,7 @@ impl ArcPolicy {
             List::None => return,
         }
         if self.evictable[i] {
-            self.evictable_map(l).insert(seq, chunk);
+            self.evictable_map(l).insert(chunk, seq);
         }
     }
 
@@ -134,11 +135,11 @@ impl ArcPolicy {
 }
 
 /// The next evictable, unprotected entry of `it`.
-fn next_victim<'a>(
-    it: &mut impl Iterator<Item = (&'a u64, &'a ChunkId)>,
+fn next_victim(
+    it: &mut impl Iterator<Item = (u64, ChunkId)>,
     protected: &dyn Fn(ChunkId) -> bool,
 ) -> Option<ChunkId> {
-    it.map(|(_, &c)| c).find(|&c| !protected(c))
+    it.map(|(_, c)| c).find(|&c| !protected(c))
 }
 
 impl CachePolicy for ArcPolicy {
@@ -146,6 +147,8 @@ impl CachePolicy for ArcPolicy {
         if n > self.list.len() {
             self.list.resize(n, (List::None, 0));
             self.evictable.resize(n, false);
+            self.t1_evictable.grow(n);
+            self.t2_evictable.grow(n);
         }
     }
 
@@ -274,7 +277,7 @@ impl CachePolicy for ArcPolicy {
         self.evictable[i] = true;
         let (l, seq) = self.list[i];
         if l != List::None {
-            self.evictable_map(l).insert(seq, chunk);
+            self.evictable_map(l).insert(chunk, seq);
         }
     }
 
@@ -282,9 +285,9 @@ impl CachePolicy for ArcPolicy {
         let i = chunk as usize;
         debug_assert!(self.evictable[i]);
         self.evictable[i] = false;
-        let (l, seq) = self.list[i];
+        let (l, _) = self.list[i];
         if l != List::None {
-            self.evictable_map(l).remove(&seq);
+            self.evictable_map(l).remove(chunk);
         }
     }
 
@@ -328,8 +331,8 @@ impl CachePolicy for ArcPolicy {
                     &self.t2_evictable
                 };
                 ensure!(
-                    map.get(&seq) == Some(&(i as ChunkId)),
-                    "arc: chunk {i} missing from its evictable map"
+                    map.key_of(i as ChunkId) == Some(seq),
+                    "arc: chunk {i} missing from its evictable order, or under a stale sequence"
                 );
                 if l == List::T1 {
                     e1 += 1;
@@ -344,8 +347,10 @@ impl CachePolicy for ArcPolicy {
         );
         ensure!(
             (e1, e2) == (self.t1_evictable.len(), self.t2_evictable.len()),
-            "arc: evictable maps hold stale entries"
+            "arc: evictable orders hold stale entries"
         );
+        self.t1_evictable.validate()?;
+        self.t2_evictable.validate()?;
         ensure!(
             self.b1.len() <= self.capacity && self.b2.len() <= self.capacity,
             "arc: a ghost list is over capacity"

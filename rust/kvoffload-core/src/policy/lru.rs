@@ -5,17 +5,19 @@
 //! request takes one rank `k` from the same counter at its first access, and its chunks with a
 //! known token position `p` rank `(k, -p)`: tails before heads of the same request.
 //!
-//! The evictable chunks live in an ordered set keyed by `(major, minor, chunk)`, so eviction
-//! starts at the least recent evictable chunk and never walks past pinned or pending ones.
+//! The evictable chunks live in an [`EvictionOrder`] keyed by `(major, minor)`: fresh ranks
+//! append in O(1), older ranks (a chunk evictable again, a token position) take a B-tree insert.
+//! Eviction starts at the least recent evictable chunk and never walks past pinned or pending
+//! ones.
 //! Chunks sharing a rank (equal positions in different KV groups) are ordered by key bytes
 //! when they are evicted.
 
+use super::order::EvictionOrder;
 use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
 use crate::key::KeyBuf;
 use crate::pool::ChunkId;
 use crate::refcount::RefCountTable;
-use std::collections::BTreeSet;
 
 type Rank = (u64, i64);
 
@@ -25,9 +27,8 @@ pub struct LruPolicy {
     /// Rank of each resident chunk, by chunk id.
     ranks: Vec<Rank>,
     resident: Vec<bool>,
-    evictable: Vec<bool>,
-    /// `(major, minor, chunk)` of every evictable chunk.
-    order: BTreeSet<(u64, i64, ChunkId)>,
+    /// The evictable chunks by rank.
+    order: EvictionOrder<Rank>,
     /// The next rank the counter issues.
     next_rank: u64,
 }
@@ -40,8 +41,7 @@ impl LruPolicy {
         Self {
             ranks: Vec::new(),
             resident: Vec::new(),
-            evictable: Vec::new(),
-            order: BTreeSet::new(),
+            order: EvictionOrder::new(),
             next_rank: 0,
         }
     }
@@ -59,13 +59,11 @@ impl LruPolicy {
     }
 
     fn set_rank(&mut self, chunk: ChunkId, rank: Rank) {
-        let i = chunk as usize;
-        if self.evictable[i] {
-            let (a, b) = self.ranks[i];
-            self.order.remove(&(a, b, chunk));
-            self.order.insert((rank.0, rank.1, chunk));
+        if self.order.contains(chunk) {
+            self.order.remove(chunk);
+            self.order.insert(chunk, rank);
         }
-        self.ranks[i] = rank;
+        self.ranks[chunk as usize] = rank;
     }
 
     fn refresh(&mut self, chunk: ChunkId) {
@@ -79,7 +77,7 @@ impl CachePolicy for LruPolicy {
         if n > self.ranks.len() {
             self.ranks.resize(n, (0, 0));
             self.resident.resize(n, false);
-            self.evictable.resize(n, false);
+            self.order.grow(n);
         }
     }
 
@@ -97,17 +95,11 @@ impl CachePolicy for LruPolicy {
         let i = chunk as usize;
         self.ranks[i] = r;
         self.resident[i] = true;
-        self.evictable[i] = false;
     }
 
     fn remove(&mut self, chunk: ChunkId) {
-        let i = chunk as usize;
-        if self.evictable[i] {
-            let (a, b) = self.ranks[i];
-            self.order.remove(&(a, b, chunk));
-            self.evictable[i] = false;
-        }
-        self.resident[i] = false;
+        self.order.remove(chunk);
+        self.resident[chunk as usize] = false;
     }
 
     fn touch(&mut self, keys: &[Access<'_>], _refs: &RefCountTable) {
@@ -152,13 +144,13 @@ impl CachePolicy for LruPolicy {
         let mut it = self.order.iter().peekable();
         let mut run: Vec<ChunkId> = Vec::new();
         'outer: while out.len() - start < n {
-            let Some(&(a, b, c)) = it.next() else { break };
-            if it.peek().is_some_and(|&&(a2, b2, _)| (a2, b2) == (a, b)) {
+            let Some((rank, c)) = it.next() else { break };
+            if it.peek().is_some_and(|&(r2, _)| r2 == rank) {
                 // Chunks sharing a rank leave in key-byte order.
                 run.clear();
                 run.push(c);
-                while let Some(&&(a2, b2, c2)) = it.peek() {
-                    if (a2, b2) != (a, b) {
+                while let Some(&(r2, c2)) = it.peek() {
+                    if r2 != rank {
                         break;
                     }
                     run.push(c2);
@@ -182,11 +174,8 @@ impl CachePolicy for LruPolicy {
             return false;
         }
         for &c in &out[start..] {
-            let i = c as usize;
-            let (a, b) = self.ranks[i];
-            self.order.remove(&(a, b, c));
-            self.evictable[i] = false;
-            self.resident[i] = false;
+            self.order.remove(c);
+            self.resident[c as usize] = false;
         }
         true
     }
@@ -194,25 +183,18 @@ impl CachePolicy for LruPolicy {
     fn clear(&mut self) {
         self.ranks.clear();
         self.resident.clear();
-        self.evictable.clear();
         self.order.clear();
         self.next_rank = 0;
     }
 
     fn mark_evictable(&mut self, chunk: ChunkId) {
-        let i = chunk as usize;
-        debug_assert!(self.resident[i] && !self.evictable[i]);
-        self.evictable[i] = true;
-        let (a, b) = self.ranks[i];
-        self.order.insert((a, b, chunk));
+        debug_assert!(self.resident[chunk as usize] && !self.order.contains(chunk));
+        self.order.insert(chunk, self.ranks[chunk as usize]);
     }
 
     fn mark_non_evictable(&mut self, chunk: ChunkId) {
-        let i = chunk as usize;
-        debug_assert!(self.evictable[i]);
-        self.evictable[i] = false;
-        let (a, b) = self.ranks[i];
-        self.order.remove(&(a, b, chunk));
+        debug_assert!(self.order.contains(chunk));
+        self.order.remove(chunk);
     }
 
     fn state(&self) -> PolicyState {
@@ -231,26 +213,21 @@ impl CachePolicy for LruPolicy {
             resident == self.resident.as_slice(),
             "lru: resident set differs from the index"
         );
-        ensure!(
-            self.ranks.len() == self.evictable.len(),
-            "lru: per-chunk arrays differ in length"
-        );
+        self.order.validate()?;
         let mut n = 0;
         for (i, &res) in self.resident.iter().enumerate() {
-            let ev = res && refs.raw(i as ChunkId) == 0;
+            let c = i as ChunkId;
+            let ev = res && refs.raw(c) == 0;
             ensure!(
-                self.evictable[i] == ev,
-                "lru: chunk {i} evictable flag is {}",
-                self.evictable[i]
+                self.order.contains(c) == ev,
+                "lru: chunk {i} evictable membership is wrong"
             );
             if ev {
                 n += 1;
-                let (a, b) = self.ranks[i];
                 ensure!(
-                    self.order.contains(&(a, b, i as ChunkId)),
-                    "lru: chunk {i} missing from order"
+                    self.ranks[i].0 < self.next_rank,
+                    "lru: chunk {i} rank not yet issued"
                 );
-                ensure!(a < self.next_rank, "lru: chunk {i} rank not yet issued");
             }
         }
         ensure!(
@@ -258,6 +235,13 @@ impl CachePolicy for LruPolicy {
             "lru: order holds {} entries for {n} evictable",
             self.order.len()
         );
+        for (i, &rank) in self.ranks.iter().enumerate() {
+            let key = self.order.key_of(i as ChunkId);
+            ensure!(
+                key.is_none_or(|k| k == rank),
+                "lru: chunk {i} ordered under a stale rank"
+            );
+        }
         Ok(())
     }
 }

@@ -7,6 +7,7 @@
 
 mod arc;
 mod lru;
+mod order;
 
 pub use arc::ArcPolicy;
 pub use lru::LruPolicy;

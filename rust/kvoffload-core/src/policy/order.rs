@@ -1,0 +1,262 @@
+//! `EvictionOrder`: the evictable chunks of a policy in ascending order of a sort key.
+//!
+//! Most insertions carry a key above every key in the order (a fresh rank, a new sequence
+//! number): those are appended to an intrusive linked list threaded through per-chunk arrays,
+//! in O(1). An insertion below the list's tail (a chunk whose old rank becomes evictable again,
+//! a token-position rank) goes to a B-tree instead, in O(log n). Both halves are sorted, and
+//! iteration merges them, so the order starts at the least key without walking past any chunk
+//! that is not a member (pinned and pending chunks are never members).
+
+use crate::error::{ensure, Result};
+use crate::pool::ChunkId;
+use std::collections::BTreeSet;
+use std::iter::Peekable;
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Out,
+    List,
+    Tree,
+}
+
+/// An ordered set of chunks keyed by `(K, chunk)`; see the module docs.
+#[derive(Debug, Clone)]
+pub(crate) struct EvictionOrder<K> {
+    place: Vec<Place>,
+    key: Vec<K>,
+    /// When a chunk is in the list: the next (greater) and previous members.
+    next: Vec<u32>,
+    prev: Vec<u32>,
+    head: u32,
+    tail: u32,
+    tree: BTreeSet<(K, ChunkId)>,
+    len: usize,
+}
+
+impl<K: Ord + Copy + Default> EvictionOrder<K> {
+    pub(crate) fn new() -> Self {
+        Self {
+            place: Vec::new(),
+            key: Vec::new(),
+            next: Vec::new(),
+            prev: Vec::new(),
+            head: NIL,
+            tail: NIL,
+            tree: BTreeSet::new(),
+            len: 0,
+        }
+    }
+
+    /// Make room for chunk ids `0..n`.
+    pub(crate) fn grow(&mut self, n: usize) {
+        if n > self.place.len() {
+            self.place.resize(n, Place::Out);
+            self.key.resize(n, K::default());
+            self.next.resize(n, NIL);
+            self.prev.resize(n, NIL);
+        }
+    }
+
+    /// Number of members.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether `c` is a member.
+    pub(crate) fn contains(&self, c: ChunkId) -> bool {
+        self.place.get(c as usize).is_some_and(|&p| p != Place::Out)
+    }
+
+    /// The sort key of member `c`.
+    pub(crate) fn key_of(&self, c: ChunkId) -> Option<K> {
+        self.contains(c).then(|| self.key[c as usize])
+    }
+
+    /// Add `c` with sort key `k` (`c` must not be a member).
+    pub(crate) fn insert(&mut self, c: ChunkId, k: K) {
+        let i = c as usize;
+        debug_assert_eq!(self.place[i], Place::Out);
+        self.key[i] = k;
+        self.len += 1;
+        if self.tail == NIL || (k, c) > (self.key[self.tail as usize], self.tail) {
+            self.place[i] = Place::List;
+            self.prev[i] = self.tail;
+            self.next[i] = NIL;
+            if self.tail == NIL {
+                self.head = c;
+            } else {
+                self.next[self.tail as usize] = c;
+            }
+            self.tail = c;
+        } else {
+            self.place[i] = Place::Tree;
+            self.tree.insert((k, c));
+        }
+    }
+
+    /// Drop `c` if it is a member.
+    pub(crate) fn remove(&mut self, c: ChunkId) {
+        let i = c as usize;
+        match self.place.get(i).copied().unwrap_or(Place::Out) {
+            Place::Out => return,
+            Place::Tree => {
+                self.tree.remove(&(self.key[i], c));
+            }
+            Place::List => {
+                let (p, n) = (self.prev[i], self.next[i]);
+                if p == NIL {
+                    self.head = n;
+                } else {
+                    self.next[p as usize] = n;
+                }
+                if n == NIL {
+                    self.tail = p;
+                } else {
+                    self.prev[n as usize] = p;
+                }
+            }
+        }
+        self.place[i] = Place::Out;
+        self.len -= 1;
+    }
+
+    /// Members in ascending `(key, chunk)` order.
+    pub(crate) fn iter(&self) -> Iter<'_, K> {
+        Iter {
+            order: self,
+            list: self.head,
+            tree: self.tree.iter().peekable(),
+        }
+    }
+
+    /// Forget every member.
+    pub(crate) fn clear(&mut self) {
+        self.place.clear();
+        self.key.clear();
+        self.next.clear();
+        self.prev.clear();
+        self.head = NIL;
+        self.tail = NIL;
+        self.tree.clear();
+        self.len = 0;
+    }
+
+    /// Check the list is sorted and linked both ways, and the counts add up.
+    pub(crate) fn validate(&self) -> Result<()> {
+        let mut n = 0;
+        let mut prev = NIL;
+        let mut c = self.head;
+        while c != NIL {
+            let i = c as usize;
+            ensure!(
+                self.place[i] == Place::List,
+                "order: chunk {c} linked but not in the list"
+            );
+            ensure!(self.prev[i] == prev, "order: chunk {c} back link broken");
+            if prev != NIL {
+                ensure!(
+                    (self.key[prev as usize], prev) < (self.key[i], c),
+                    "order: list not ascending at chunk {c}"
+                );
+            }
+            n += 1;
+            ensure!(n <= self.len, "order: list longer than its count (cycle?)");
+            prev = c;
+            c = self.next[i];
+        }
+        ensure!(prev == self.tail, "order: tail is not the last list member");
+        for &(k, c) in &self.tree {
+            let i = c as usize;
+            ensure!(
+                self.place[i] == Place::Tree && self.key[i] == k,
+                "order: stale tree entry for chunk {c}"
+            );
+        }
+        ensure!(
+            n + self.tree.len() == self.len,
+            "order: member count drifted"
+        );
+        let members = self.place.iter().filter(|&&p| p != Place::Out).count();
+        ensure!(
+            members == self.len,
+            "order: {members} chunks marked, count says {}",
+            self.len
+        );
+        Ok(())
+    }
+}
+
+/// Merge of the list and the tree, ascending.
+pub(crate) struct Iter<'a, K> {
+    order: &'a EvictionOrder<K>,
+    list: u32,
+    tree: Peekable<std::collections::btree_set::Iter<'a, (K, ChunkId)>>,
+}
+
+impl<K: Ord + Copy> Iterator for Iter<'_, K> {
+    type Item = (K, ChunkId);
+
+    fn next(&mut self) -> Option<(K, ChunkId)> {
+        let from_list = (self.list != NIL).then(|| (self.order.key[self.list as usize], self.list));
+        match (from_list, self.tree.peek()) {
+            (Some(l), Some(&&t)) if t < l => {
+                self.tree.next();
+                Some(t)
+            }
+            (Some(l), _) => {
+                self.list = self.order.next[l.1 as usize];
+                Some(l)
+            }
+            (None, Some(&&t)) => {
+                self.tree.next();
+                Some(t)
+            }
+            (None, None) => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merges_appends_and_late_inserts_in_order() {
+        let mut o: EvictionOrder<u64> = EvictionOrder::new();
+        o.grow(6);
+        o.insert(0, 10);
+        o.insert(1, 20);
+        o.insert(2, 5); // below the tail: tree
+        o.insert(3, 30);
+        o.insert(4, 15); // tree
+        o.validate().unwrap();
+        let order: Vec<ChunkId> = o.iter().map(|(_, c)| c).collect();
+        assert_eq!(order, vec![2, 0, 4, 1, 3]);
+        o.remove(1);
+        o.remove(2);
+        o.remove(3);
+        o.insert(5, 16); // above the new tail (15 is in the tree; list tail is 10)
+        o.validate().unwrap();
+        assert_eq!(
+            o.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            vec![10, 15, 16]
+        );
+        assert_eq!(o.len(), 3);
+        assert!(o.contains(4) && !o.contains(1));
+    }
+
+    #[test]
+    fn equal_keys_order_by_chunk() {
+        let mut o: EvictionOrder<(u64, i64)> = EvictionOrder::new();
+        o.grow(3);
+        o.insert(2, (1, -4));
+        o.insert(0, (1, -4));
+        o.insert(1, (1, -4));
+        assert_eq!(o.iter().map(|(_, c)| c).collect::<Vec<_>>(), vec![0, 1, 2]);
+        o.validate().unwrap();
+        o.clear();
+        assert_eq!(o.iter().count(), 0);
+    }
+}
