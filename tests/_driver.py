@@ -937,7 +937,7 @@ class Mismatch(AssertionError):
             lines.append("history:")
         first = len(self.history) - len(shown)
         for i, (op, res) in enumerate(shown, first):
-            out = "" if res is None else f" -> {render(res)}"
+            out = "" if res is None and op.kind != "prepare_store" else f" -> {render(res)}"
             lines.append(f"  #{i} {op}{out}")
         return "\n".join(lines)
 
@@ -964,7 +964,7 @@ class Mismatch(AssertionError):
                 if op.kind not in ("new_request", "set_position", "events_drop"):
                     lines[-1] = f"print({lines[-1]})"
                 lines += [f"# {name}: {text}" for name, text in self.detail.items()]
-            elif res is not None:
+            elif res is not None or op.kind == "prepare_store":
                 lines[-1] += f"  # -> {render(res)}"
             body += lines
         return "\n".join(head + body) + "\n"
