@@ -2,7 +2,8 @@
 //!
 //! Most insertions carry a key above every key in the order (a fresh rank, a new sequence
 //! number): those are appended to an intrusive linked list threaded through per-chunk arrays,
-//! in O(1). An insertion below the list's tail (a chunk whose old rank becomes evictable again,
+//! in O(1). So is an insertion right next to the previous one (a request's chunks ranked by
+//! token position arrive tail first, each just below the last). Any other insertion (a chunk whose old rank becomes evictable again,
 //! a token-position rank) goes to a B-tree instead, in O(log n). Both halves are sorted, and
 //! iteration merges them, so the order starts at the least key without walking past any chunk
 //! that is not a member (pinned and pending chunks are never members).
@@ -31,6 +32,8 @@ pub(crate) struct EvictionOrder<K> {
     prev: Vec<u32>,
     head: u32,
     tail: u32,
+    /// The list member inserted last (`NIL` when it left the list).
+    finger: u32,
     tree: BTreeSet<(K, ChunkId)>,
     len: usize,
 }
@@ -44,6 +47,7 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
             prev: Vec::new(),
             head: NIL,
             tail: NIL,
+            finger: NIL,
             tree: BTreeSet::new(),
             len: 0,
         }
@@ -80,20 +84,50 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
         debug_assert_eq!(self.place[i], Place::Out);
         self.key[i] = k;
         self.len += 1;
-        if self.tail == NIL || (k, c) > (self.key[self.tail as usize], self.tail) {
-            self.place[i] = Place::List;
-            self.prev[i] = self.tail;
-            self.next[i] = NIL;
-            if self.tail == NIL {
-                self.head = c;
-            } else {
-                self.next[self.tail as usize] = c;
-            }
-            self.tail = c;
+        let me = (k, c);
+        let entry = |m: u32| (self.key[m as usize], m);
+        // The member after which `c` belongs, if that spot is the tail or next to the finger.
+        let after = if self.tail == NIL || me > entry(self.tail) {
+            Some(self.tail)
+        } else if self.finger != NIL && me < entry(self.finger) {
+            let p = self.prev[self.finger as usize];
+            (p == NIL || entry(p) < me).then_some(p)
+        } else if self.finger != NIL {
+            let n = self.next[self.finger as usize];
+            (n != NIL && me < entry(n)).then_some(self.finger)
+        } else {
+            None
+        };
+        if let Some(p) = after {
+            self.link_after(c, p);
         } else {
             self.place[i] = Place::Tree;
-            self.tree.insert((k, c));
+            self.tree.insert(me);
         }
+    }
+
+    /// Link `c` into the list right after `p` (`NIL`: at the head).
+    fn link_after(&mut self, c: ChunkId, p: u32) {
+        let i = c as usize;
+        let n = if p == NIL {
+            self.head
+        } else {
+            self.next[p as usize]
+        };
+        self.place[i] = Place::List;
+        self.prev[i] = p;
+        self.next[i] = n;
+        if p == NIL {
+            self.head = c;
+        } else {
+            self.next[p as usize] = c;
+        }
+        if n == NIL {
+            self.tail = c;
+        } else {
+            self.prev[n as usize] = c;
+        }
+        self.finger = c;
     }
 
     /// Drop `c` if it is a member.
@@ -105,6 +139,9 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
                 self.tree.remove(&(self.key[i], c));
             }
             Place::List => {
+                if self.finger == c {
+                    self.finger = NIL;
+                }
                 let (p, n) = (self.prev[i], self.next[i]);
                 if p == NIL {
                     self.head = n;
@@ -139,6 +176,7 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
         self.prev.clear();
         self.head = NIL;
         self.tail = NIL;
+        self.finger = NIL;
         self.tree.clear();
         self.len = 0;
     }
@@ -245,6 +283,32 @@ mod tests {
         );
         assert_eq!(o.len(), 3);
         assert!(o.contains(4) && !o.contains(1));
+    }
+
+    #[test]
+    fn descending_runs_stay_in_the_list() {
+        let mut o: EvictionOrder<(u64, i64)> = EvictionOrder::new();
+        o.grow(8);
+        o.insert(0, (1, 0));
+        // A request's chunks at positions 16, 32, 48: ranks (2, -16) > (2, -32) > (2, -48).
+        o.insert(1, (2, -16));
+        o.insert(2, (2, -32));
+        o.insert(3, (2, -48));
+        assert!(o.tree.is_empty(), "each went next to the previous insert");
+        o.insert(4, (3, 0));
+        o.insert(5, (2, -40)); // between 2 and 3: not next to the finger (4)
+        o.validate().unwrap();
+        assert_eq!(
+            o.iter().map(|(_, c)| c).collect::<Vec<_>>(),
+            vec![0, 3, 5, 2, 1, 4]
+        );
+        o.remove(4);
+        o.insert(6, (2, -20)); // finger gone: below the tail, so the tree
+        o.validate().unwrap();
+        assert_eq!(
+            o.iter().map(|(_, c)| c).collect::<Vec<_>>(),
+            vec![0, 3, 5, 2, 6, 1]
+        );
     }
 
     #[test]
