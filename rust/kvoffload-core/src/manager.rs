@@ -109,6 +109,8 @@ pub struct Manager {
     refs: RefCountTable,
     /// Key of each chunk slot (empty when the slot is absent).
     keys: Vec<KeyBuf>,
+    /// Hash of each chunk slot's key (so the index never rehashes a key).
+    hashes: Vec<u64>,
     resident: Vec<bool>,
     /// Chunk of each resident key, by key hash.
     index: HashTable<ChunkId>,
@@ -141,6 +143,7 @@ impl Manager {
             pool: ChunkPool::new(n),
             refs: RefCountTable::new(n),
             keys: Vec::new(),
+            hashes: Vec::new(),
             resident: Vec::new(),
             index: HashTable::new(),
             policy,
@@ -473,6 +476,7 @@ impl Manager {
         self.pool.reset();
         self.index.clear();
         self.keys.clear();
+        self.hashes.clear();
         self.resident.clear();
         self.protect.clear();
     }
@@ -574,6 +578,10 @@ impl Manager {
             if res {
                 n += 1;
                 ensure!(
+                    self.hashes[i] == hash_key(&self.keys[i]),
+                    "manager: stale hash for chunk {i}"
+                );
+                ensure!(
                     self.chunk_of(&self.keys[i]) == Some(c),
                     "manager: index does not map chunk {i}'s key to it"
                 );
@@ -672,6 +680,7 @@ impl Manager {
     fn grow(&mut self, n: usize) {
         if n > self.resident.len() {
             self.keys.resize(n, KeyBuf::new());
+            self.hashes.resize(n, 0);
             self.resident.resize(n, false);
             self.protect.resize(n, 0);
             self.refs.grow(n);
@@ -682,10 +691,10 @@ impl Manager {
     fn index_key(&mut self, c: ChunkId, key: &[u8], hash: u64) {
         let i = c as usize;
         self.keys[i] = KeyBuf::from_slice(key);
+        self.hashes[i] = hash;
         self.resident[i] = true;
-        let keys = &self.keys;
-        self.index
-            .insert_unique(hash, c, |&o| hash_key(&keys[o as usize]));
+        let hashes = &self.hashes;
+        self.index.insert_unique(hash, c, |&o| hashes[o as usize]);
     }
 
     /// Remove chunk `c`'s key from the index; returns the key.
@@ -693,7 +702,7 @@ impl Manager {
         let i = c as usize;
         let key = std::mem::take(&mut self.keys[i]);
         self.resident[i] = false;
-        if let Ok(entry) = self.index.find_entry(hash_key(&key), |&o| o == c) {
+        if let Ok(entry) = self.index.find_entry(self.hashes[i], |&o| o == c) {
             entry.remove();
         }
         key
@@ -814,23 +823,51 @@ fn check_positions(keys: &[&[u8]], positions: Option<&[Option<i64>]>) -> Result<
 
 /// Reject an offer that names a key twice.
 fn check_distinct(keys: &[&[u8]], hashes: &[u64]) -> Result<()> {
-    if keys.len() < 2 {
-        return Ok(());
-    }
-    let mut order: Scratch<(u64, &[u8])> =
-        hashes.iter().copied().zip(keys.iter().copied()).collect();
-    order.sort_unstable();
-    match order.windows(2).find(|w| w[0] == w[1]) {
-        Some(w) => Err(CoreError::DuplicateKey(format!(
+    match first_repeat(hashes, |a, b| keys[a] == keys[b]) {
+        Some(i) => Err(CoreError::DuplicateKey(format!(
             "key {} appears more than once in one prepare_store",
-            show_key(w[0].1)
+            show_key(keys[i])
         ))),
         None => Ok(()),
     }
 }
 
+/// The index of the first item equal (by `same`) to an earlier one, found through an
+/// open-addressing table of item indexes keyed by `hashes` (on the stack for a normal batch).
+fn first_repeat(hashes: &[u64], same: impl Fn(usize, usize) -> bool) -> Option<usize> {
+    const EMPTY: u32 = u32::MAX;
+    let n = hashes.len();
+    if n < 2 {
+        return None;
+    }
+    let mask = (2 * n).next_power_of_two() - 1;
+    let mut table: SmallVec<[u32; 128]> = smallvec::smallvec![EMPTY; mask + 1];
+    for (i, &h) in hashes.iter().enumerate() {
+        let mut j = (h as usize) & mask;
+        loop {
+            let t = table[j];
+            if t == EMPTY {
+                table[j] = i as u32;
+                break;
+            }
+            if hashes[t as usize] == h && same(t as usize, i) {
+                return Some(i);
+            }
+            j = (j + 1) & mask;
+        }
+    }
+    None
+}
+
 /// `(chunk, occurrences)` for each distinct chunk of `chunks`.
 fn multiplicities(chunks: &[ChunkId]) -> Vec<(ChunkId, u32)> {
+    let spread: Scratch<u64> = chunks
+        .iter()
+        .map(|&c| u64::from(c).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32)
+        .collect();
+    if first_repeat(&spread, |a, b| chunks[a] == chunks[b]).is_none() {
+        return chunks.iter().map(|&c| (c, 1)).collect();
+    }
     let mut sorted = chunks.to_vec();
     sorted.sort_unstable();
     let mut out: Vec<(ChunkId, u32)> = Vec::with_capacity(sorted.len());
