@@ -5,7 +5,7 @@
 //! reported (passed to the policy's `on_store_miss`). Flags only ever get set. The state is
 //! owned by the request's context, not by the manager, so it goes away with the request.
 
-use crate::key::{hash_key, KeyBuf};
+use crate::key::KeyBuf;
 use crate::policy::RequestRank;
 use hashbrown::HashTable;
 
@@ -20,6 +20,8 @@ pub(crate) const REPORTED: u8 = 4;
 #[derive(Debug, Clone)]
 pub(crate) struct SeenKey {
     pub(crate) key: KeyBuf,
+    /// The key's hash, kept so the table never rehashes a key when it grows.
+    hash: u64,
     pub(crate) flags: u8,
 }
 
@@ -63,7 +65,10 @@ impl RequestState {
     pub(crate) fn find(&self, key: &[u8], hash: u64) -> Option<usize> {
         let seen = &self.seen;
         self.table
-            .find(hash, |&i| seen[i as usize].key.as_slice() == key)
+            .find(hash, |&i| {
+                let s = &seen[i as usize];
+                s.hash == hash && s.key.as_slice() == key
+            })
             .map(|&i| i as usize)
     }
 
@@ -71,7 +76,7 @@ impl RequestState {
     pub(crate) fn reserve(&mut self, n: usize) {
         self.seen.reserve(n);
         let seen = &self.seen;
-        self.table.reserve(n, |&j| hash_key(&seen[j as usize].key));
+        self.table.reserve(n, |&j| seen[j as usize].hash);
     }
 
     /// Add an unseen key; returns its index.
@@ -79,11 +84,12 @@ impl RequestState {
         let i = self.seen.len();
         self.seen.push(SeenKey {
             key: KeyBuf::from_slice(key),
+            hash,
             flags: 0,
         });
         let seen = &self.seen;
         self.table
-            .insert_unique(hash, i as u32, |&j| hash_key(&seen[j as usize].key));
+            .insert_unique(hash, i as u32, |&j| seen[j as usize].hash);
         i
     }
 }
