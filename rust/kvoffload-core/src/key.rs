@@ -6,6 +6,19 @@ use std::hash::BuildHasher;
 /// Owned key bytes. A 32-byte hash plus the 4-byte group index fits inline (no allocation).
 pub type KeyBuf = SmallVec<[u8; 40]>;
 
+/// The key held by one chunk slot, its hash and whether the slot holds a key: one cache line,
+/// so resolving or evicting a chunk touches one line of per-chunk key data.
+#[derive(Debug, Clone, Default)]
+#[repr(align(64))]
+pub struct KeySlot {
+    /// The key bytes (empty when the slot holds no key; the empty key is legal, see `resident`).
+    pub key: KeyBuf,
+    /// `hash_key(&key)` while resident.
+    pub hash: u64,
+    /// Whether the slot holds a key.
+    pub resident: bool,
+}
+
 /// The hasher every key table of the crate uses. Keys are block hashes already, so a fast
 /// non-cryptographic hash with a fixed seed is enough and keeps runs reproducible.
 #[derive(Clone, Copy, Default, Debug)]

@@ -7,7 +7,7 @@
 
 use crate::admission::AdmissionTracker;
 use crate::error::{ensure, show_key, CoreError, Result};
-use crate::key::{group_of, hash_key, KeyBuf};
+use crate::key::{group_of, hash_key, KeyBuf, KeySlot};
 use crate::policy::{Access, ArcPolicy, CachePolicy, FinishedKey, LruPolicy, PolicyState};
 use crate::pool::{ChunkId, ChunkPool};
 use crate::refcount::{ChunkState, RefCountTable};
@@ -107,11 +107,8 @@ pub struct Manager {
     generation: u64,
     pool: ChunkPool,
     refs: RefCountTable,
-    /// Key of each chunk slot (empty when the slot is absent).
-    keys: Vec<KeyBuf>,
-    /// Hash of each chunk slot's key (so the index never rehashes a key).
-    hashes: Vec<u64>,
-    resident: Vec<bool>,
+    /// Key, hash and residency of each chunk slot (the hash spares the index rehashing keys).
+    slots: Vec<KeySlot>,
     /// Chunk of each resident key, by key hash.
     index: HashTable<ChunkId>,
     policy: Box<dyn CachePolicy>,
@@ -142,9 +139,7 @@ impl Manager {
             generation: 0,
             pool: ChunkPool::new(n),
             refs: RefCountTable::new(n),
-            keys: Vec::new(),
-            hashes: Vec::new(),
-            resident: Vec::new(),
+            slots: Vec::new(),
             index: HashTable::new(),
             policy,
             tracker: (config.store_threshold >= 2)
@@ -174,9 +169,9 @@ impl Manager {
     // --- lookups ---
 
     fn find(&self, key: &[u8], hash: u64) -> Option<ChunkId> {
-        let keys = &self.keys;
+        let slots = &self.slots;
         self.index
-            .find(hash, |&c| keys[c as usize].as_slice() == key)
+            .find(hash, |&c| slots[c as usize].key.as_slice() == key)
             .copied()
     }
 
@@ -271,7 +266,7 @@ impl Manager {
                 if times > n {
                     return Err(CoreError::KeyState(format!(
                         "cannot complete {times} loads of {}: only {n} in flight",
-                        show_key(&self.keys[c as usize])
+                        show_key(&self.slots[c as usize].key)
                     )));
                 }
             }
@@ -475,9 +470,7 @@ impl Manager {
         self.refs.clear();
         self.pool.reset();
         self.index.clear();
-        self.keys.clear();
-        self.hashes.clear();
-        self.resident.clear();
+        self.slots.clear();
         self.protect.clear();
     }
 
@@ -511,11 +504,11 @@ impl Manager {
     /// `(key, chunk, ref count)` of every resident key, by chunk id.
     #[must_use]
     pub fn resident(&self) -> Vec<(&[u8], ChunkId, i32)> {
-        (0..self.resident.len())
-            .filter(|&i| self.resident[i])
+        (0..self.slots.len())
+            .filter(|&i| self.slots[i].resident)
             .map(|i| {
                 (
-                    self.keys[i].as_slice(),
+                    self.slots[i].key.as_slice(),
                     i as ChunkId,
                     self.refs.raw(i as ChunkId),
                 )
@@ -526,11 +519,10 @@ impl Manager {
     /// The key held by chunk `c`, if any.
     #[must_use]
     pub fn key_of(&self, c: ChunkId) -> Option<&[u8]> {
-        self.resident
+        self.slots
             .get(c as usize)
-            .copied()
-            .unwrap_or(false)
-            .then(|| self.keys[c as usize].as_slice())
+            .filter(|s| s.resident)
+            .map(|s| s.key.as_slice())
     }
 
     /// Snapshot of the policy's order.
@@ -565,12 +557,12 @@ impl Manager {
         }
         let (fresh, free) = self.pool.state();
         ensure!(
-            self.resident.len() == fresh as usize,
+            self.slots.len() == fresh as usize,
             "manager: per-chunk arrays out of step with the pool"
         );
         let mut n = 0;
-        for (i, &res) in self.resident.iter().enumerate() {
-            let c = i as ChunkId;
+        for (i, slot) in self.slots.iter().enumerate() {
+            let (c, res) = (i as ChunkId, slot.resident);
             ensure!(
                 res == (self.refs.state(c) != ChunkState::Absent),
                 "manager: chunk {i} residency vs ref count"
@@ -578,11 +570,11 @@ impl Manager {
             if res {
                 n += 1;
                 ensure!(
-                    self.hashes[i] == hash_key(&self.keys[i]),
+                    slot.hash == hash_key(&slot.key),
                     "manager: stale hash for chunk {i}"
                 );
                 ensure!(
-                    self.chunk_of(&self.keys[i]) == Some(c),
+                    self.chunk_of(&slot.key) == Some(c),
                     "manager: index does not map chunk {i}'s key to it"
                 );
                 ensure!(
@@ -601,7 +593,8 @@ impl Manager {
             "manager: pool lends {} chunks, {n} resident",
             self.pool.num_used()
         );
-        self.policy.validate(&self.resident, &self.refs)
+        let resident: Vec<bool> = self.slots.iter().map(|s| s.resident).collect();
+        self.policy.validate(&resident, &self.refs)
     }
 
     // --- internals ---
@@ -627,7 +620,7 @@ impl Manager {
             .evict(
                 shortfall,
                 &|c| protect[c as usize] == stamp,
-                &self.keys,
+                &self.slots,
                 &mut victims,
             )
             .then_some(victims)
@@ -678,10 +671,8 @@ impl Manager {
     }
 
     fn grow(&mut self, n: usize) {
-        if n > self.resident.len() {
-            self.keys.resize(n, KeyBuf::new());
-            self.hashes.resize(n, 0);
-            self.resident.resize(n, false);
+        if n > self.slots.len() {
+            self.slots.resize_with(n, KeySlot::default);
             self.protect.resize(n, 0);
             self.refs.grow(n);
             self.policy.grow(n);
@@ -690,19 +681,22 @@ impl Manager {
 
     fn index_key(&mut self, c: ChunkId, key: &[u8], hash: u64) {
         let i = c as usize;
-        self.keys[i] = KeyBuf::from_slice(key);
-        self.hashes[i] = hash;
-        self.resident[i] = true;
-        let hashes = &self.hashes;
-        self.index.insert_unique(hash, c, |&o| hashes[o as usize]);
+        let slot = &mut self.slots[i];
+        slot.key = KeyBuf::from_slice(key);
+        slot.hash = hash;
+        slot.resident = true;
+        let slots = &self.slots;
+        self.index
+            .insert_unique(hash, c, |&o| slots[o as usize].hash);
     }
 
     /// Remove chunk `c`'s key from the index; returns the key.
     fn unindex(&mut self, c: ChunkId) -> KeyBuf {
         let i = c as usize;
-        let key = std::mem::take(&mut self.keys[i]);
-        self.resident[i] = false;
-        if let Ok(entry) = self.index.find_entry(self.hashes[i], |&o| o == c) {
+        let slot = &mut self.slots[i];
+        let key = std::mem::take(&mut slot.key);
+        slot.resident = false;
+        if let Ok(entry) = self.index.find_entry(slot.hash, |&o| o == c) {
             entry.remove();
         }
         key

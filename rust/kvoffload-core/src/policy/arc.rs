@@ -10,7 +10,7 @@
 use super::order::EvictionOrder;
 use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
-use crate::key::{KeyBuf, KeyHasher};
+use crate::key::{KeyBuf, KeyHasher, KeySlot};
 use crate::pool::ChunkId;
 use crate::refcount::RefCountTable;
 use hashlink::LinkedHashSet;
@@ -209,7 +209,7 @@ impl CachePolicy for ArcPolicy {
         &mut self,
         n: usize,
         protected: &dyn Fn(ChunkId) -> bool,
-        keys: &[KeyBuf],
+        keys: &[KeySlot],
         out: &mut Vec<ChunkId>,
     ) -> bool {
         let start = out.len();
@@ -244,7 +244,7 @@ impl CachePolicy for ArcPolicy {
         for (j, &c) in out[start..].iter().enumerate() {
             self.unlink(c);
             self.evictable[c as usize] = false;
-            let key = keys[c as usize].clone();
+            let key = keys[c as usize].key.clone();
             if from_t1[j] {
                 self.b1.insert(key);
             } else {
@@ -377,22 +377,28 @@ impl CachePolicy for ArcPolicy {
 mod tests {
     use super::*;
 
-    fn keys(n: usize) -> Vec<KeyBuf> {
-        (0..n)
-            .map(|i| KeyBuf::from_slice(format!("k{i}").as_bytes()))
-            .collect()
+    fn slot(k: &[u8]) -> KeySlot {
+        KeySlot {
+            key: crate::key::KeyBuf::from_slice(k),
+            hash: crate::key::hash_key(k),
+            resident: true,
+        }
     }
 
-    fn ready(p: &mut ArcPolicy, refs: &mut RefCountTable, c: ChunkId, ks: &[KeyBuf]) {
+    fn keys(n: usize) -> Vec<KeySlot> {
+        (0..n).map(|i| slot(format!("k{i}").as_bytes())).collect()
+    }
+
+    fn ready(p: &mut ArcPolicy, refs: &mut RefCountTable, c: ChunkId, ks: &[KeySlot]) {
         p.grow(c as usize + 1);
         refs.grow(c as usize + 1);
-        p.insert(c, &ks[c as usize], None, &mut None);
+        p.insert(c, &ks[c as usize].key, None, &mut None);
         refs.insert_pending(c);
         refs.complete_store(c);
         p.mark_evictable(c);
     }
 
-    fn evict(p: &mut ArcPolicy, n: usize, ks: &[KeyBuf]) -> Option<Vec<ChunkId>> {
+    fn evict(p: &mut ArcPolicy, n: usize, ks: &[KeySlot]) -> Option<Vec<ChunkId>> {
         let mut out = Vec::new();
         p.evict(n, &|_| false, ks, &mut out).then_some(out)
     }
@@ -408,10 +414,10 @@ mod tests {
         let PolicyState::Arc { b1, .. } = p.state() else {
             panic!()
         };
-        assert_eq!(b1, vec![ks[0].clone()]);
+        assert_eq!(b1, vec![ks[0].key.clone()]);
         p.touch(
             &[Access {
-                key: &ks[0],
+                key: &ks[0].key,
                 chunk: None,
                 position: None,
             }],
@@ -420,7 +426,7 @@ mod tests {
         assert!((p.target() - 1.0).abs() < f64::EPSILON);
         p.touch(
             &[Access {
-                key: &ks[1],
+                key: &ks[1].key,
                 chunk: Some(1),
                 position: None,
             }],

@@ -15,7 +15,7 @@
 use super::order::EvictionOrder;
 use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
-use crate::key::KeyBuf;
+use crate::key::KeySlot;
 use crate::pool::ChunkId;
 use crate::refcount::RefCountTable;
 
@@ -137,7 +137,7 @@ impl CachePolicy for LruPolicy {
         &mut self,
         n: usize,
         protected: &dyn Fn(ChunkId) -> bool,
-        keys: &[KeyBuf],
+        keys: &[KeySlot],
         out: &mut Vec<ChunkId>,
     ) -> bool {
         let start = out.len();
@@ -156,7 +156,7 @@ impl CachePolicy for LruPolicy {
                     run.push(c2);
                     it.next();
                 }
-                run.sort_by(|&x, &y| keys[x as usize].cmp(&keys[y as usize]));
+                run.sort_by(|&x, &y| keys[x as usize].key.cmp(&keys[y as usize].key));
                 for &c in &run {
                     if !protected(c) {
                         out.push(c);
@@ -250,10 +250,16 @@ impl CachePolicy for LruPolicy {
 mod tests {
     use super::*;
 
-    fn keys(n: usize) -> Vec<KeyBuf> {
-        (0..n)
-            .map(|i| KeyBuf::from_slice(format!("k{i}").as_bytes()))
-            .collect()
+    fn slot(k: &[u8]) -> KeySlot {
+        KeySlot {
+            key: crate::key::KeyBuf::from_slice(k),
+            hash: crate::key::hash_key(k),
+            resident: true,
+        }
+    }
+
+    fn keys(n: usize) -> Vec<KeySlot> {
+        (0..n).map(|i| slot(format!("k{i}").as_bytes())).collect()
     }
 
     fn ready(p: &mut LruPolicy, c: ChunkId, pos: Option<i64>, rank: &mut RequestRank) {
@@ -265,7 +271,7 @@ mod tests {
     fn evict(
         p: &mut LruPolicy,
         n: usize,
-        keys: &[KeyBuf],
+        keys: &[KeySlot],
         prot: &[ChunkId],
     ) -> Option<Vec<ChunkId>> {
         let mut out = Vec::new();
@@ -306,10 +312,7 @@ mod tests {
 
     #[test]
     fn equal_ranks_leave_in_key_order_and_protection_holds() {
-        let ks: Vec<KeyBuf> = [&b"b"[..], b"a", b"c"]
-            .iter()
-            .map(|k| KeyBuf::from_slice(k))
-            .collect();
+        let ks: Vec<KeySlot> = [&b"b"[..], b"a", b"c"].iter().map(|k| slot(k)).collect();
         let mut p = LruPolicy::new(3);
         let mut r = None;
         for c in 0..3 {

@@ -13,7 +13,7 @@ pub use arc::ArcPolicy;
 pub use lru::LruPolicy;
 
 use crate::error::Result;
-use crate::key::KeyBuf;
+use crate::key::{KeyBuf, KeySlot};
 use crate::pool::ChunkId;
 use crate::refcount::RefCountTable;
 
@@ -92,7 +92,7 @@ pub trait CachePolicy: Send {
         &mut self,
         n: usize,
         protected: &dyn Fn(ChunkId) -> bool,
-        keys: &[KeyBuf],
+        keys: &[KeySlot],
         out: &mut Vec<ChunkId>,
     ) -> bool;
     /// Forget everything (chunks, order, ghosts, adaptive state).
