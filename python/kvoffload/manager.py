@@ -32,8 +32,6 @@ from kvoffload.types import (
 
 __all__ = ["CPUOffloadingManager"]
 
-_LOOKUP = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
-
 
 class CPUOffloadingManager:
     """Scheduler-side manager of a host pool of ``num_chunks`` KV chunks (Rust core).
@@ -81,7 +79,7 @@ class CPUOffloadingManager:
 
     def lookup(self, key: bytes, req_context: Any) -> LookupResult:
         """MISS (absent), HIT_PENDING (store in flight) or HIT (readable); changes nothing."""
-        return _LOOKUP[self._core.lookup(key)]
+        return self._core.lookup(key)
 
     def lookup_prefix(self, keys: Iterable[bytes], req_context: Any) -> int:
         """The number of leading keys that are HIT, in one call."""
@@ -97,7 +95,7 @@ class CPUOffloadingManager:
 
     def prepare_load(self, keys: Iterable[bytes], req_context: Any) -> CPULoadStoreSpec:
         """Pin readable keys for loading; the spec's ids line up with ``keys``."""
-        return CPULoadStoreSpec._from_array(self._core.prepare_load(keys, req_context))
+        return self._core.prepare_load(keys, req_context)
 
     def touch(self, keys: Iterable[bytes], req_context: Any) -> None:
         """Mark keys as recently used (forwarded to the policy)."""
@@ -111,11 +109,7 @@ class CPUOffloadingManager:
 
     def prepare_store(self, keys: Iterable[bytes], req_context: Any) -> PrepareStoreOutput | None:
         """Choose, place and (if needed) make room for the keys to store; None if impossible."""
-        out = self._core.prepare_store(keys, req_context)
-        if out is None:
-            return None
-        to_store, ids, evicted = out
-        return PrepareStoreOutput(to_store, CPULoadStoreSpec._from_array(ids), evicted)
+        return self._core.prepare_store(keys, req_context)
 
     def complete_store(self, keys: Iterable[bytes], req_context: Any, success: bool = True) -> None:
         """Make pending keys readable, or drop them when the store failed."""

@@ -99,6 +99,49 @@ fn req_context_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
         .map(|t| t.bind(py))
 }
 
+/// The `kvoffload.types` objects results are built from, looked up once.
+pub(crate) struct ResultTypes {
+    pub(crate) prepare_store_output: Py<PyType>,
+    pub(crate) cpu_spec: Py<PyType>,
+    /// `LookupResult.MISS`, `.HIT`, `.HIT_PENDING`.
+    pub(crate) lookup: [Py<PyAny>; 3],
+}
+
+static RESULT_TYPES: PyOnceLock<ResultTypes> = PyOnceLock::new();
+
+/// The cached [`ResultTypes`].
+pub(crate) fn result_types(py: Python<'_>) -> PyResult<&ResultTypes> {
+    RESULT_TYPES.get_or_try_init(py, || {
+        let m = py.import("kvoffload.types")?;
+        let ty = |name: &str| -> PyResult<Py<PyType>> {
+            Ok(m.getattr(name)?.cast_into::<PyType>()?.unbind())
+        };
+        let lr = m.getattr("LookupResult")?;
+        Ok(ResultTypes {
+            prepare_store_output: ty("PrepareStoreOutput")?,
+            cpu_spec: ty("CPULoadStoreSpec")?,
+            lookup: [
+                lr.getattr("MISS")?.unbind(),
+                lr.getattr("HIT")?.unbind(),
+                lr.getattr("HIT_PENDING")?.unbind(),
+            ],
+        })
+    })
+}
+
+/// A bare instance of `cls` (``cls.__new__(cls)``, no `__init__`) with `attrs` set: builds the
+/// result dataclasses without running Python-level constructors.
+pub(crate) fn build<'py>(
+    cls: &Bound<'py, PyType>,
+    attrs: &[(&Bound<'py, pyo3::types::PyString>, Bound<'py, PyAny>)],
+) -> PyResult<Bound<'py, PyAny>> {
+    let obj = cls.call_method1(pyo3::intern!(cls.py(), "__new__"), (cls,))?;
+    for (name, value) in attrs {
+        obj.setattr(*name, value)?;
+    }
+    Ok(obj)
+}
+
 /// A request context: kvoffload's own `ReqContext` (fast path through its dicts) or any object
 /// with vLLM's `get_state`/`set_state`/`get_offload_key_position` methods.
 pub(crate) struct Context<'py> {

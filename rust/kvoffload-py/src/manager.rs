@@ -2,10 +2,11 @@
 //! built after the lock is released (no Python runs while a Rust lock is held).
 
 use crate::errors::{poisoned, raise, to_py};
-use crate::keys::{one_key, Context, Keys};
+use crate::keys::{build, one_key, result_types, Context, Keys};
 use crate::request::RequestState;
 use kvoffload_core::{self as core, Lookup, Manager, ManagerConfig, PolicyKind, PolicyState};
 use numpy::PyArray1;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use std::sync::{Mutex, MutexGuard};
@@ -67,12 +68,23 @@ impl ManagerCore {
     }
 }
 
-fn lookup_code(l: Lookup) -> u8 {
+fn lookup_index(l: Lookup) -> usize {
     match l {
         Lookup::Miss => 0,
         Lookup::Hit => 1,
         Lookup::HitPending => 2,
     }
+}
+
+/// A `CPULoadStoreSpec` over the chunk ids (numpy int32, owned by numpy).
+fn spec<'py>(py: Python<'py>, chunks: &[core::ChunkId]) -> PyResult<Bound<'py, PyAny>> {
+    let ids: Vec<i32> = chunks.iter().map(|&c| c as i32).collect();
+    let array = PyArray1::from_slice(py, &ids);
+    let types = result_types(py)?;
+    build(
+        types.cpu_spec.bind(py),
+        &[(intern!(py, "block_ids"), array.into_any())],
+    )
 }
 
 #[pymethods]
@@ -138,10 +150,20 @@ impl ManagerCore {
         })
     }
 
-    /// 0 = `MISS`, 1 = `HIT`, 2 = `HIT_PENDING`.
-    fn lookup(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<u8> {
+    /// `LookupResult.MISS`, `.HIT` or `.HIT_PENDING`; the context is not read.
+    #[pyo3(signature = (key, req_context=None))]
+    fn lookup<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+        req_context: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = req_context;
         let key = one_key(key)?;
-        Ok(lookup_code(self.lock(py)?.lookup(key)))
+        let found = self.lock(py)?.lookup(key);
+        Ok(result_types(py)?.lookup[lookup_index(found)]
+            .bind(py)
+            .clone())
     }
 
     /// Number of leading keys that are HIT.
@@ -151,13 +173,13 @@ impl ManagerCore {
         Ok(self.lock(py)?.lookup_prefix(slices.iter().copied()))
     }
 
-    /// Pin keys for loading; returns their chunk ids (int32).
+    /// Pin keys for loading; returns a `CPULoadStoreSpec` of their chunk ids.
     fn prepare_load<'py>(
         &self,
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
         ctx: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let keys = Keys::extract(keys)?;
         let ctx = Context::new(ctx)?;
         let positions = self.positions(&ctx, &keys)?;
@@ -172,10 +194,7 @@ impl ManagerCore {
         if fresh {
             ctx.set_state(state.as_any())?;
         }
-        Ok(PyArray1::from_vec(
-            py,
-            chunks.into_iter().map(|c| c as i32).collect(),
-        ))
+        spec(py, &chunks)
     }
 
     /// Release one pin per key.
@@ -195,19 +214,13 @@ impl ManagerCore {
         Ok(())
     }
 
-    /// `(keys_to_store, chunk ids, evicted keys)`, or `None` when the offer cannot be placed.
+    /// A `PrepareStoreOutput`, or `None` when the offer cannot be placed.
     fn prepare_store<'py>(
         &self,
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
         ctx: &Bound<'py, PyAny>,
-    ) -> PyResult<
-        Option<(
-            Bound<'py, PyList>,
-            Bound<'py, PyArray1<i32>>,
-            Bound<'py, PyList>,
-        )>,
-    > {
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let keys = Keys::extract(keys)?;
         let ctx = Context::new(ctx)?;
         let positions = self.positions(&ctx, &keys)?;
@@ -224,9 +237,17 @@ impl ManagerCore {
         }
         let Some(out) = outcome else { return Ok(None) };
         let to_store = PyList::new(py, out.to_store.iter().map(|&i| &keys.objs[i]))?;
-        let ids = PyArray1::from_vec(py, out.chunks.into_iter().map(|c| c as i32).collect());
         let evicted = PyList::new(py, out.evicted.iter().map(|k| PyBytes::new(py, k)))?;
-        Ok(Some((to_store, ids, evicted)))
+        let types = result_types(py)?;
+        let output = build(
+            types.prepare_store_output.bind(py),
+            &[
+                (intern!(py, "keys_to_store"), to_store.into_any()),
+                (intern!(py, "store_spec"), spec(py, &out.chunks)?),
+                (intern!(py, "evicted_keys"), evicted.into_any()),
+            ],
+        )?;
+        Ok(Some(output))
     }
 
     /// Finish stores (`success=False`: drop them).
