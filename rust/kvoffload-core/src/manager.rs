@@ -283,10 +283,14 @@ impl Manager {
     pub fn touch(&mut self, keys: &[&[u8]]) {
         let access: Scratch<Access<'_>> = keys
             .iter()
-            .map(|&key| Access {
-                key,
-                chunk: self.chunk_of(key),
-                position: None,
+            .map(|&key| {
+                let hash = hash_key(key);
+                Access {
+                    key,
+                    hash,
+                    chunk: self.find(key, hash),
+                    position: None,
+                }
             })
             .collect();
         self.policy.touch(&access, &self.refs);
@@ -348,8 +352,9 @@ impl Manager {
             .filter(|&i| call.slots[i].is_none_or(|j| req.seen[j as usize].flags & REPORTED == 0))
             .collect();
         if !new_misses.is_empty() {
-            let miss_keys: Scratch<&[u8]> = new_misses.iter().map(|&i| keys[i]).collect();
-            self.policy.on_store_miss(&miss_keys);
+            let misses: Scratch<Access<'_>> =
+                new_misses.iter().map(|&i| call.access(i, None)).collect();
+            self.policy.on_store_miss(&misses);
         }
         // 5: record the access; readable keys count as reused.
         let readable: Scratch<usize> = recorded
@@ -661,8 +666,7 @@ impl Manager {
         for (&i, &c) in candidates.iter().zip(&chunks) {
             self.index_key(c, call.keys[i], call.hashes[i]);
             self.refs.insert_pending(c);
-            self.policy
-                .insert(c, call.keys[i], call.position(i), &mut req.rank);
+            self.policy.insert(c, call.access(i, None), &mut req.rank);
             if let Some(j) = call.slots[i] {
                 req.seen[j as usize].flags |= INSERTED;
             }
@@ -724,11 +728,7 @@ impl Manager {
                     continue;
                 }
                 call.slots[i] = Some(req.add(k, h) as u32);
-                new.push(Access {
-                    key: k,
-                    chunk: resident[i],
-                    position: call.position(i),
-                });
+                new.push(call.access(i, resident[i]));
             }
         }
         if !new.is_empty() {
@@ -776,6 +776,16 @@ impl<'k> Call<'k> {
 
     fn position(&self, i: usize) -> Option<i64> {
         self.positions.and_then(|p| p[i])
+    }
+
+    /// Key `i` as the policy sees it, with its chunk (if resident).
+    fn access(&self, i: usize, chunk: Option<ChunkId>) -> Access<'k> {
+        Access {
+            key: self.keys[i],
+            hash: self.hashes[i],
+            chunk,
+            position: self.position(i),
+        }
     }
 
     /// A finished request may only record keys it has already seen.

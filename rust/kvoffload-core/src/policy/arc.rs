@@ -10,16 +10,44 @@
 use super::order::EvictionOrder;
 use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
-use crate::key::{KeyBuf, KeyHasher, KeySlot};
+use crate::key::{hash_key, KeyBuf, KeyHasher, KeySlot};
 use crate::pool::ChunkId;
 use crate::refcount::RefCountTable;
-use hashlink::LinkedHashSet;
+use hashlink::linked_hash_map::RawEntryMut;
+use hashlink::LinkedHashMap;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum List {
     None,
     T1,
     T2,
+}
+
+type Ghosts = LinkedHashMap<KeyBuf, (), KeyHasher>;
+
+/// Move `key` to the newest end of `ghosts`; `false` if it is not there.
+fn ghost_to_back(ghosts: &mut Ghosts, key: &[u8], hash: u64) -> bool {
+    match ghosts.raw_entry_mut().from_key_hashed_nocheck(hash, key) {
+        RawEntryMut::Occupied(mut e) => {
+            e.to_back();
+            true
+        }
+        RawEntryMut::Vacant(_) => false,
+    }
+}
+
+/// Drop `key` from `ghosts` if it is there.
+fn ghost_remove(ghosts: &mut Ghosts, key: &[u8], hash: u64) {
+    if let RawEntryMut::Occupied(e) = ghosts.raw_entry_mut().from_key_hashed_nocheck(hash, key) {
+        e.remove();
+    }
+}
+
+/// Add `key` at the newest end of `ghosts` (it is not there: resident keys are no ghosts).
+fn ghost_push(ghosts: &mut Ghosts, key: &[u8], hash: u64) {
+    if let RawEntryMut::Vacant(v) = ghosts.raw_entry_mut().from_key_hashed_nocheck(hash, key) {
+        v.insert_hashed_nocheck(hash, KeyBuf::from_slice(key), ());
+    }
 }
 
 /// ARC over `capacity` chunk slots.
@@ -37,8 +65,10 @@ pub struct ArcPolicy {
     /// Evictable T2 entries by sequence number (oldest first).
     t2_evictable: EvictionOrder<u64>,
     next_seq: u64,
-    b1: LinkedHashSet<KeyBuf, KeyHasher>,
-    b2: LinkedHashSet<KeyBuf, KeyHasher>,
+    /// Ghost lists, oldest first. Looked up with the keys' precomputed hashes (`KeyHasher`
+    /// hashes a `KeyBuf` exactly as `hash_key` hashes its bytes).
+    b1: Ghosts,
+    b2: Ghosts,
 }
 
 impl ArcPolicy {
@@ -55,8 +85,8 @@ impl ArcPolicy {
             t1_evictable: EvictionOrder::new(),
             t2_evictable: EvictionOrder::new(),
             next_seq: 0,
-            b1: LinkedHashSet::with_hasher(KeyHasher),
-            b2: LinkedHashSet::with_hasher(KeyHasher),
+            b1: LinkedHashMap::with_hasher(KeyHasher),
+            b2: LinkedHashMap::with_hasher(KeyHasher),
         }
     }
 
@@ -107,17 +137,14 @@ impl ArcPolicy {
     }
 
     /// Adapt the target to a ghost hit on `key`; `false` when the key is no ghost.
-    fn ghost_hit(&mut self, key: &[u8]) -> bool {
+    fn ghost_hit(&mut self, key: &[u8], hash: u64) -> bool {
         let cap = self.capacity as f64;
-        if self.b1.contains(key) {
-            let delta = (self.b2.len() as f64 / self.b1.len() as f64).max(1.0);
-            self.target = (self.target + delta).min(cap);
-            self.b1.to_back(key);
+        let (n1, n2) = (self.b1.len() as f64, self.b2.len() as f64);
+        if ghost_to_back(&mut self.b1, key, hash) {
+            self.target = (self.target + (n2 / n1).max(1.0)).min(cap);
             true
-        } else if self.b2.contains(key) {
-            let delta = (self.b1.len() as f64 / self.b2.len() as f64).max(1.0);
-            self.target = (self.target - delta).max(0.0);
-            self.b2.to_back(key);
+        } else if ghost_to_back(&mut self.b2, key, hash) {
+            self.target = (self.target - (n1 / n2).max(1.0)).max(0.0);
             true
         } else {
             false
@@ -152,17 +179,11 @@ impl CachePolicy for ArcPolicy {
         }
     }
 
-    fn insert(
-        &mut self,
-        chunk: ChunkId,
-        key: &[u8],
-        _position: Option<i64>,
-        _rank: &mut RequestRank,
-    ) {
+    fn insert(&mut self, chunk: ChunkId, key: Access<'_>, _rank: &mut RequestRank) {
         self.evictable[chunk as usize] = false;
         self.push_newest(chunk, List::T1);
-        self.b1.remove(key);
-        self.b2.remove(key);
+        ghost_remove(&mut self.b1, key.key, key.hash);
+        ghost_remove(&mut self.b2, key.key, key.hash);
     }
 
     fn remove(&mut self, chunk: ChunkId) {
@@ -179,15 +200,15 @@ impl CachePolicy for ArcPolicy {
                 }
                 Some((c, List::T2)) => self.push_newest(c, List::T2),
                 _ => {
-                    self.ghost_hit(a.key);
+                    self.ghost_hit(a.key, a.hash);
                 }
             }
         }
     }
 
-    fn on_store_miss(&mut self, keys: &[&[u8]]) {
-        for key in keys.iter().rev() {
-            self.ghost_hit(key);
+    fn on_store_miss(&mut self, keys: &[Access<'_>]) {
+        for a in keys.iter().rev() {
+            self.ghost_hit(a.key, a.hash);
         }
     }
 
@@ -244,12 +265,13 @@ impl CachePolicy for ArcPolicy {
         for (j, &c) in out[start..].iter().enumerate() {
             self.unlink(c);
             self.evictable[c as usize] = false;
-            let key = keys[c as usize].key.clone();
-            if from_t1[j] {
-                self.b1.insert(key);
+            let slot = &keys[c as usize];
+            let ghosts = if from_t1[j] {
+                &mut self.b1
             } else {
-                self.b2.insert(key);
-            }
+                &mut self.b2
+            };
+            ghost_push(ghosts, &slot.key, slot.hash);
         }
         for ghosts in [&mut self.b1, &mut self.b2] {
             while ghosts.len() > self.capacity {
@@ -295,8 +317,8 @@ impl CachePolicy for ArcPolicy {
         PolicyState::Arc {
             t1: self.ordered(List::T1),
             t2: self.ordered(List::T2),
-            b1: self.b1.iter().cloned().collect(),
-            b2: self.b2.iter().cloned().collect(),
+            b1: self.b1.keys().cloned().collect(),
+            b2: self.b2.keys().cloned().collect(),
             target: self.target,
         }
     }
@@ -355,8 +377,17 @@ impl CachePolicy for ArcPolicy {
             self.b1.len() <= self.capacity && self.b2.len() <= self.capacity,
             "arc: a ghost list is over capacity"
         );
+        for ghosts in [&self.b1, &self.b2] {
+            ensure!(
+                ghosts.keys().all(|k| ghosts
+                    .raw_entry()
+                    .from_key_hashed_nocheck(hash_key(k), k)
+                    .is_some()),
+                "arc: a ghost list hashes keys differently from hash_key"
+            );
+        }
         ensure!(
-            self.b1.iter().all(|k| !self.b2.contains(k)),
+            self.b1.keys().all(|k| !self.b2.contains_key(k)),
             "arc: a key in both ghost lists"
         );
         ensure!(
@@ -392,7 +423,17 @@ mod tests {
     fn ready(p: &mut ArcPolicy, refs: &mut RefCountTable, c: ChunkId, ks: &[KeySlot]) {
         p.grow(c as usize + 1);
         refs.grow(c as usize + 1);
-        p.insert(c, &ks[c as usize].key, None, &mut None);
+        let s = &ks[c as usize];
+        p.insert(
+            c,
+            Access {
+                key: &s.key,
+                hash: s.hash,
+                chunk: None,
+                position: None,
+            },
+            &mut None,
+        );
         refs.insert_pending(c);
         refs.complete_store(c);
         p.mark_evictable(c);
@@ -418,6 +459,7 @@ mod tests {
         p.touch(
             &[Access {
                 key: &ks[0].key,
+                hash: ks[0].hash,
                 chunk: None,
                 position: None,
             }],
@@ -427,6 +469,7 @@ mod tests {
         p.touch(
             &[Access {
                 key: &ks[1].key,
+                hash: ks[1].hash,
                 chunk: Some(1),
                 position: None,
             }],
@@ -448,6 +491,7 @@ mod tests {
         }
         let acc = |c: ChunkId| Access {
             key: b"",
+            hash: 0,
             chunk: Some(c),
             position: None,
         };

@@ -81,14 +81,8 @@ impl CachePolicy for LruPolicy {
         }
     }
 
-    fn insert(
-        &mut self,
-        chunk: ChunkId,
-        _key: &[u8],
-        position: Option<i64>,
-        rank: &mut RequestRank,
-    ) {
-        let r = match position {
+    fn insert(&mut self, chunk: ChunkId, key: Access<'_>, rank: &mut RequestRank) {
+        let r = match key.position {
             Some(p) => (self.request_rank(rank), -p),
             None => self.fresh_rank(),
         };
@@ -110,7 +104,7 @@ impl CachePolicy for LruPolicy {
         }
     }
 
-    fn on_store_miss(&mut self, _keys: &[&[u8]]) {}
+    fn on_store_miss(&mut self, _keys: &[Access<'_>]) {}
 
     fn on_request_access(&mut self, keys: &[Access<'_>], rank: &mut RequestRank) {
         let request_rank = self.request_rank(rank);
@@ -264,7 +258,16 @@ mod tests {
 
     fn ready(p: &mut LruPolicy, c: ChunkId, pos: Option<i64>, rank: &mut RequestRank) {
         p.grow(c as usize + 1);
-        p.insert(c, b"", pos, rank);
+        p.insert(
+            c,
+            Access {
+                key: b"",
+                hash: 0,
+                chunk: None,
+                position: pos,
+            },
+            rank,
+        );
         p.mark_evictable(c);
     }
 
@@ -289,6 +292,7 @@ mod tests {
         }
         let acc = |c: ChunkId| Access {
             key: b"",
+            hash: 0,
             chunk: Some(c),
             position: None,
         };
@@ -332,6 +336,7 @@ mod tests {
         p.on_request_access(
             &[Access {
                 key: b"",
+                hash: 0,
                 chunk: Some(0),
                 position: Some(4),
             }],

@@ -22,6 +22,8 @@ use crate::refcount::RefCountTable;
 pub struct Access<'k> {
     /// The key bytes.
     pub key: &'k [u8],
+    /// `hash_key(key)`, computed once per call.
+    pub hash: u64,
     /// Its chunk when resident (pending, ready or pinned).
     pub chunk: Option<ChunkId>,
     /// Its end-token position in the calling request, when known.
@@ -74,14 +76,15 @@ pub enum PolicyState {
 pub trait CachePolicy: Send {
     /// Make room for chunk ids `0..n` (called before those ids are first inserted).
     fn grow(&mut self, n: usize);
-    /// A new chunk, pending, for `key`; `rank` is the storing request's slot.
-    fn insert(&mut self, chunk: ChunkId, key: &[u8], position: Option<i64>, rank: &mut RequestRank);
+    /// A new chunk, pending, for `key` (its `chunk` field is `None`: it was absent); `rank` is
+    /// the storing request's slot.
+    fn insert(&mut self, chunk: ChunkId, key: Access<'_>, rank: &mut RequestRank);
     /// Forget a pending chunk whose store failed (no ghost entry).
     fn remove(&mut self, chunk: ChunkId);
     /// Mark keys as recently used; `refs` tells pending from readable chunks.
     fn touch(&mut self, keys: &[Access<'_>], refs: &RefCountTable);
     /// Keys about to be stored that the request had not reported as misses before.
-    fn on_store_miss(&mut self, keys: &[&[u8]]);
+    fn on_store_miss(&mut self, keys: &[Access<'_>]);
     /// Keys a request sees for the first time, in call order.
     fn on_request_access(&mut self, keys: &[Access<'_>], rank: &mut RequestRank);
     /// A request finished; `keys` is its head-to-tail order.
