@@ -62,6 +62,12 @@ impl RequestState {
         self.seen.iter().map(|s| s.key.as_slice())
     }
 
+    /// Index of `key` among [`seen_keys`](Self::seen_keys), if the request saw it.
+    #[must_use]
+    pub fn index_of(&self, key: &[u8]) -> Option<usize> {
+        self.find(key, crate::key::hash_key(key))
+    }
+
     pub(crate) fn find(&self, key: &[u8], hash: u64) -> Option<usize> {
         let seen = &self.seen;
         self.table

@@ -99,6 +99,25 @@ fn req_context_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
         .map(|t| t.bind(py))
 }
 
+/// A position value read from a context: `None`, or an int in the int64 range.
+pub(crate) fn position_value(v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
+    if v.is_none() {
+        return Ok(None);
+    }
+    v.extract::<i64>().map(Some).map_err(|_| {
+        let ty = v
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default();
+        raise(
+            v.py(),
+            "InvalidArgumentError",
+            format!("a token position must be an int in the int64 range, got {ty}"),
+        )
+    })
+}
+
 /// The `kvoffload.types` objects results are built from, looked up once.
 pub(crate) struct ResultTypes {
     pub(crate) prepare_store_output: Py<PyType>,
@@ -215,28 +234,18 @@ impl<'py> Context<'py> {
         self.dicts.as_ref().is_none_or(|(_, p)| !p.is_empty())
     }
 
+    /// The positions dict of a kvoffload `ReqContext` (`None` for other context types).
+    pub(crate) fn position_dict(&self) -> Option<&Bound<'py, PyDict>> {
+        self.dicts.as_ref().map(|(_, p)| p)
+    }
+
     /// The position of one key object, or `None`.
     pub(crate) fn position(&self, key: &Bound<'py, PyAny>) -> PyResult<Option<i64>> {
         let v = match &self.dicts {
             Some((_, pos)) => pos.get_item(key)?,
             None => Some(self.obj.call_method1("get_offload_key_position", (key,))?),
         };
-        match v {
-            None => Ok(None),
-            Some(v) if v.is_none() => Ok(None),
-            Some(v) => v.extract::<i64>().map(Some).map_err(|_| {
-                let ty = v
-                    .get_type()
-                    .name()
-                    .map(|n| n.to_string())
-                    .unwrap_or_default();
-                raise(
-                    v.py(),
-                    "InvalidArgumentError",
-                    format!("a token position must be an int in the int64 range, got {ty}"),
-                )
-            }),
-        }
+        v.map_or(Ok(None), |v| position_value(&v))
     }
 
     /// Positions of `keys` (`None` when the context holds none).

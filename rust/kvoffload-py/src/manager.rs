@@ -2,7 +2,7 @@
 //! built after the lock is released (no Python runs while a Rust lock is held).
 
 use crate::errors::{poisoned, raise, to_py};
-use crate::keys::{build, one_key, result_types, Context, Keys};
+use crate::keys::{build, one_key, position_value, result_types, Context, Keys};
 use crate::request::RequestState;
 use kvoffload_core::{self as core, Lookup, Manager, ManagerConfig, PolicyKind, PolicyState};
 use numpy::PyArray1;
@@ -65,6 +65,61 @@ impl ManagerCore {
         } else {
             Ok(None)
         }
+    }
+
+    /// Positions of a finishing request's seen keys, read by walking the context's positions
+    /// dict once (no bytes object per seen key). `None`: the state is stale or finished.
+    fn finish_positions_from_dict(
+        &self,
+        py: Python<'_>,
+        dict: &Bound<'_, PyDict>,
+        state: &Bound<'_, RequestState>,
+    ) -> PyResult<Option<Vec<Option<i64>>>> {
+        let items: Vec<(Bound<'_, PyBytes>, Bound<'_, PyAny>)> = dict
+            .iter()
+            .filter_map(|(k, v)| k.cast_into::<PyBytes>().ok().map(|k| (k, v)))
+            .collect();
+        let (n, slots) = {
+            let m = self.lock(py)?;
+            let s = state.get().inner.lock().map_err(|_| poisoned(py))?;
+            if !m.is_current(&s) || s.is_finished() {
+                return Ok(None);
+            }
+            let slots: Vec<Option<usize>> = items
+                .iter()
+                .map(|(k, _)| s.index_of(k.as_bytes()))
+                .collect();
+            let n = s.seen_keys().len();
+            (n, slots)
+        };
+        let mut positions = vec![None; n];
+        for ((_, v), slot) in items.iter().zip(slots) {
+            if let Some(i) = slot {
+                positions[i] = position_value(v)?;
+            }
+        }
+        Ok(Some(positions))
+    }
+
+    /// Positions of a finishing request's seen keys through `get_offload_key_position`.
+    fn finish_positions_by_call(
+        &self,
+        py: Python<'_>,
+        ctx: &Context<'_>,
+        state: &Bound<'_, RequestState>,
+    ) -> PyResult<Option<Vec<Option<i64>>>> {
+        let seen: Vec<Vec<u8>> = {
+            let m = self.lock(py)?;
+            let s = state.get().inner.lock().map_err(|_| poisoned(py))?;
+            if !m.is_current(&s) || s.is_finished() {
+                return Ok(None);
+            }
+            s.seen_keys().map(<[u8]>::to_vec).collect()
+        };
+        seen.iter()
+            .map(|k| ctx.position(PyBytes::new(py, k).as_any()))
+            .collect::<PyResult<Vec<_>>>()
+            .map(Some)
     }
 }
 
@@ -282,19 +337,15 @@ impl ManagerCore {
         let Ok(state) = obj.cast_into::<RequestState>() else {
             return Ok(());
         };
-        // Positions are read (Python) before any lock is taken.
-        let seen: Vec<Vec<u8>> = {
-            let m = self.lock(py)?;
-            let s = state.get().inner.lock().map_err(|_| poisoned(py))?;
-            if !m.is_current(&s) || s.is_finished() {
-                return Ok(());
-            }
-            s.seen_keys().map(<[u8]>::to_vec).collect()
+        // Positions are read (Python) while no lock is held.
+        let positions = if let Some(dict) = ctx.position_dict() {
+            self.finish_positions_from_dict(py, dict, &state)?
+        } else {
+            self.finish_positions_by_call(py, &ctx, &state)?
         };
-        let positions = seen
-            .iter()
-            .map(|k| ctx.position(PyBytes::new(py, k).as_any()))
-            .collect::<PyResult<Vec<_>>>()?;
+        let Some(positions) = positions else {
+            return Ok(());
+        };
         let mut m = self.lock(py)?;
         let mut s = state.get().inner.lock().map_err(|_| poisoned(py))?;
         m.on_request_finished(&mut s, &positions)
