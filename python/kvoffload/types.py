@@ -139,13 +139,6 @@ class CPULoadStoreSpec(LoadStoreSpec):
     def __init__(self, block_ids: npt.ArrayLike) -> None:
         self.block_ids: npt.NDArray[np.int32] = np.array(block_ids, dtype=np.int32)
 
-    @classmethod
-    def _from_array(cls, block_ids: npt.NDArray[np.int32]) -> CPULoadStoreSpec:
-        """Wrap an int32 array that the caller hands over (no copy)."""
-        spec = cls.__new__(cls)
-        spec.block_ids = block_ids
-        return spec
-
     @property
     def chunk_ids(self) -> npt.NDArray[np.int32]:
         """The same array as ``block_ids`` (the name the tiering layer uses)."""
