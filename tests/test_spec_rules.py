@@ -8,64 +8,35 @@ takes a request rank from the same counter as fresh ranks.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 
+from _helpers import (
+    ALLOC,
+    HIT,
+    MISS,
+    PENDING,
+    READ,
+    SKIPPED,
+    USAGE,
+    WRITE,
+    MakeManager,
+    chunk_ids,
+    drain,
+    k,
+    ks,
+    store,
+)
 from kvoffload import (
     CacheHitSource,
-    CPUOffloadingMetrics,
-    LookupResult,
     Medium,
     OffloadPolicy,
     ReqContext,
     RequestFinishedError,
     RequestOffloadingContext,
-    make_offload_key,
 )
-
-MakeManager = Callable[..., Any]
-
-HIT = LookupResult.HIT
-MISS = LookupResult.MISS
-PENDING = LookupResult.HIT_PENDING
-
-USAGE = CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC
-WRITE = CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC
-READ = CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC
-ALLOC = CPUOffloadingMetrics.CPU_ALLOCATION_SIZE
-SKIPPED = CPUOffloadingMetrics.STORES_SKIPPED
-
-
-def k(i: int, group: int = 0) -> bytes:
-    return make_offload_key(str(i).encode(), group)
-
-
-def ks(*ids: int) -> list[bytes]:
-    return [k(i) for i in ids]
-
-
-def chunk_ids(output: Any) -> list[int]:
-    spec = output.store_spec if hasattr(output, "store_spec") else output
-    return [int(x) for x in spec.block_ids]
-
-
-def drain(m: Any) -> list[tuple[str, list[bytes]]]:
-    """Drain the events as (kind, keys); kind is stored, removed or cleanup (metadata-only)."""
-    out = []
-    for e in m.take_events():
-        kind = ("cleanup" if e.metadata_only else "removed") if e.removed else "stored"
-        out.append((kind, list(e.keys)))
-    return out
-
-
-def store(m: Any, ctx: Any, *ids: int) -> Any:
-    out = m.prepare_store(ks(*ids), ctx)
-    assert out is not None
-    m.complete_store(out.keys_to_store, ctx)
-    return out
 
 
 def stats_data(m: Any) -> dict[str, Any]:
