@@ -46,6 +46,26 @@ pub fn group_of(key: &[u8]) -> u32 {
     tail.iter().fold(0u32, |acc, &b| (acc << 8) | u32::from(b))
 }
 
+/// Key slots for policy unit tests.
+#[cfg(test)]
+pub(crate) mod test_util {
+    use super::{hash_key, KeyBuf, KeySlot};
+
+    /// A resident slot holding `k`.
+    pub(crate) fn slot(k: &[u8]) -> KeySlot {
+        KeySlot {
+            key: KeyBuf::from_slice(k),
+            hash: hash_key(k),
+            resident: true,
+        }
+    }
+
+    /// Slots holding the keys `k0`, `k1`, ...
+    pub(crate) fn keys(n: usize) -> Vec<KeySlot> {
+        (0..n).map(|i| slot(format!("k{i}").as_bytes())).collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -407,18 +407,7 @@ impl CachePolicy for ArcPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn slot(k: &[u8]) -> KeySlot {
-        KeySlot {
-            key: crate::key::KeyBuf::from_slice(k),
-            hash: crate::key::hash_key(k),
-            resident: true,
-        }
-    }
-
-    fn keys(n: usize) -> Vec<KeySlot> {
-        (0..n).map(|i| slot(format!("k{i}").as_bytes())).collect()
-    }
+    use crate::key::test_util::keys;
 
     fn ready(p: &mut ArcPolicy, refs: &mut RefCountTable, c: ChunkId, ks: &[KeySlot]) {
         p.grow(c as usize + 1);

@@ -243,18 +243,7 @@ impl CachePolicy for LruPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn slot(k: &[u8]) -> KeySlot {
-        KeySlot {
-            key: crate::key::KeyBuf::from_slice(k),
-            hash: crate::key::hash_key(k),
-            resident: true,
-        }
-    }
-
-    fn keys(n: usize) -> Vec<KeySlot> {
-        (0..n).map(|i| slot(format!("k{i}").as_bytes())).collect()
-    }
+    use crate::key::test_util::{keys, slot};
 
     fn ready(p: &mut LruPolicy, c: ChunkId, pos: Option<i64>, rank: &mut RequestRank) {
         p.grow(c as usize + 1);
