@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvoffload import CPUOffloadingMetrics, LookupResult, make_offload_key
+from kvoffload import CPUOffloadingMetrics, LookupResult, ReqContext, make_offload_key
 
 MakeManager = Callable[..., Any]
 
@@ -51,3 +51,40 @@ def store(m: Any, ctx: Any, *ids: int) -> Any:
     assert out is not None
     m.complete_store(out.keys_to_store, ctx)
     return out
+
+
+def stats_data(m: Any) -> dict[str, Any]:
+    """This report's metrics as ``{name: value}``."""
+    return {name: series[()] for name, series in m.get_stats().data["data"].items()}
+
+
+def ranks(m: Any) -> dict[bytes, tuple[int, int]]:
+    """LRU ranks by key."""
+    state = m.policy_state()
+    assert state["policy"] == "lru"
+    return {key: tuple(rank) for key, rank in state["ranks"].items()}
+
+
+def lru_state(m: Any) -> tuple[dict[bytes, tuple[int, int]], int]:
+    """LRU ranks and the next rank to issue."""
+    return ranks(m), m.policy_state()["next_rank"]
+
+
+def arc_lists(m: Any) -> tuple[list[bytes], list[bytes], list[bytes], list[bytes]]:
+    """ARC's T1, T2, B1 and B2, oldest first."""
+    state = m.policy_state()
+    assert state["policy"] == "arc"
+    return (list(state["t1"]), list(state["t2"]), list(state["b1"]), list(state["b2"]))
+
+
+def target(m: Any) -> float:
+    """ARC's target size of T1."""
+    return float(m.policy_state()["target_t1_size"])
+
+
+def request(req_id: str, positions: dict[bytes, int] | None = None) -> ReqContext:
+    """A context with the given token positions."""
+    ctx = ReqContext(req_id=req_id)
+    for key, pos in (positions or {}).items():
+        ctx.set_offload_key_position(key, pos)
+    return ctx

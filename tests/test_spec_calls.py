@@ -1,0 +1,459 @@
+"""SPEC.md rules for chunk ids, lookups, loads, touches and stores, against every implementation.
+
+Expected values are worked out by hand from SPEC.md; comments give the arithmetic where it is not
+obvious. LRU ranks are ``(major, minor)``; a context's first recording call that sees a new key
+takes a request rank from the same counter as fresh ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _helpers import (
+    ALLOC,
+    HIT,
+    MISS,
+    PENDING,
+    SKIPPED,
+    MakeManager,
+    arc_lists,
+    chunk_ids,
+    drain,
+    k,
+    ks,
+    lru_state,
+    ranks,
+    request,
+    stats_data,
+    store,
+)
+from kvoffload import (
+    ReqContext,
+    RequestFinishedError,
+)
+
+# === Chunk ids =================================================================================
+
+
+def test_ids_never_used_first_then_last_freed(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    ctx = ReqContext(req_id="")
+    assert chunk_ids(m.prepare_store(ks(1, 2), ctx)) == [0, 1]
+    m.complete_store(ks(1, 2), ctx, success=False)  # frees 0, then 1
+    assert m.pool_state() == (2, [0, 1])
+    assert chunk_ids(m.prepare_store(ks(3, 4, 5), ctx)) == [2, 3, 1]
+    assert m.pool_state() == (4, [0])
+    m.check_invariants()
+
+
+def test_ids_evicted_chunks_reused_by_the_same_store(make_manager: MakeManager) -> None:
+    m = make_manager(2)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2)
+    out = m.prepare_store(ks(3, 4), ctx)
+    assert out.evicted_keys == ks(1, 2)
+    assert chunk_ids(out) == [1, 0]
+
+    m = make_manager(4)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2, 3)
+    out = m.prepare_store(ks(4, 5, 6), ctx)  # never-used 3, then 1 and 0 (freed 0, 1)
+    assert out.evicted_keys == ks(1, 2)
+    assert chunk_ids(out) == [3, 1, 0]
+    m.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("fail_order", "freed", "next_ids"), [((1, 2), [0, 1], [1, 0]), ((2, 1), [1, 0], [0, 1])]
+)
+def test_ids_failed_store_frees_in_given_order(
+    make_manager: MakeManager, fail_order: tuple[int, int], freed: list[int], next_ids: list[int]
+) -> None:
+    m = make_manager(2)
+    ctx = ReqContext(req_id="")
+    m.prepare_store(ks(1, 2), ctx)
+    m.complete_store(ks(*fail_order), ctx, success=False)
+    assert m.pool_state() == (2, freed)
+    assert chunk_ids(m.prepare_store(ks(3, 4), ctx)) == next_ids
+    m.check_invariants()
+
+
+def test_ids_restart_at_zero_after_reset(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2, 3)
+    m.reset_cache()
+    assert m.pool_state() == (0, [])
+    assert chunk_ids(m.prepare_store(ks(4), ctx)) == [0]
+    m.check_invariants()
+
+
+def test_ids_are_int32_arrays(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    ctx = ReqContext(req_id="")
+    out = store(m, ctx, 1, 2)
+    for spec in (
+        out.store_spec,
+        m.prepare_load(ks(2, 1), ctx),
+        m.prepare_store(ks(1), ctx).store_spec,
+    ):
+        assert isinstance(spec.block_ids, np.ndarray)
+        assert spec.block_ids.dtype == np.int32
+        assert spec.chunk_ids.dtype == np.int32
+        assert np.array_equal(spec.chunk_ids, spec.block_ids)
+    assert chunk_ids(m.prepare_store(ks(1), ctx)) == []
+    m.check_invariants()
+
+
+# === lookup, prepare_load, complete_load, touch ===============================================
+
+
+def test_lookup_reports_each_state(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2)
+    m.prepare_load(ks(2), ctx)
+    m.prepare_store(ks(3), ctx)
+    assert [m.lookup(x, ctx) for x in ks(1, 2, 3, 4)] == [HIT, HIT, PENDING, MISS]
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_lookup_changes_nothing(make_manager: MakeManager, policy: str) -> None:
+    m = make_manager(2, cache_policy=policy, store_threshold=2)
+    base = ReqContext(req_id="")
+    for _ in range(2):
+        m.prepare_store(ks(1, 2), base)
+    m.complete_store(ks(1, 2), base)
+    for _ in range(2):
+        m.prepare_store(ks(3), base)  # evicts 1: a ghost for ARC
+    m.get_stats()
+    before = (m.policy_state(), m.resident(), m.tracker_state(), m.pool_state())
+    req = request("r", {k(i): 16 * i for i in range(1, 6)})
+    for key in ks(1, 2, 3, 4, 5, 1, 2):  # 1 is a ghost for ARC, 3 is pending
+        m.lookup(key, req)
+    assert (m.policy_state(), m.resident(), m.tracker_state(), m.pool_state()) == before
+    assert req._state == {}  # no request state
+    m.on_request_finished(req)  # nothing was seen, so nothing is re-ranked
+    assert m.policy_state() == before[0]
+    assert m.get_stats().data["data"][SKIPPED] == {(): 0}
+    m.check_invariants()
+
+
+def test_prepare_load_counts_references(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2)
+    assert chunk_ids(m.prepare_load(ks(2, 2), ctx)) == [1, 1]
+    assert chunk_ids(m.prepare_load(ks(1, 2), ctx)) == [0, 1]
+    assert m.resident() == {k(1): (0, 1), k(2): (1, 3)}
+    m.complete_load(ks(2, 2), ctx)
+    m.complete_load(ks(1), ctx)
+    assert m.resident() == {k(1): (0, 0), k(2): (1, 1)}
+    m.complete_load(ks(2), ctx)
+    assert m.resident() == {k(1): (0, 0), k(2): (1, 0)}
+    m.check_invariants()
+
+
+def test_prepare_load_raises_rank_of_first_seen_key_only(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    store(m, ReqContext(req_id=""), 1)  # base request rank 0; 1 -> (1, 0)
+    assert lru_state(m) == ({k(1): (1, 0)}, 2)
+    req = request("c", {k(1): 4})
+    m.prepare_load(ks(1), req)  # request rank 2; (2, -4) > (1, 0)
+    assert lru_state(m) == ({k(1): (2, -4)}, 3)
+    m.complete_load(ks(1), req)
+    assert lru_state(m) == ({k(1): (2, -4)}, 3)  # complete_load changes no recency
+    req.set_offload_key_position(k(1), 2)
+    m.prepare_load(ks(1), req)  # not a first sighting: (2, -2) is not applied
+    m.complete_load(ks(1), req)
+    assert lru_state(m) == ({k(1): (2, -4)}, 3)
+    m.check_invariants()
+
+
+def test_request_access_only_raises_ranks(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    base = ReqContext(req_id="")
+    store(m, base, 1)  # base rank 0; 1 -> (1, 0)
+    req = request("b", {k(1): 8, k(5): 8})
+    store(m, req, 5)  # request rank 2; 5 -> (2, -8)
+    m.touch(ks(1), base)  # 1 -> (3, 0)
+    assert lru_state(m) == ({k(1): (3, 0), k(5): (2, -8)}, 4)
+    m.prepare_load(ks(1), req)  # (2, -8) < (3, 0): unchanged
+    assert lru_state(m) == ({k(1): (3, 0), k(5): (2, -8)}, 4)
+    m.complete_load(ks(1), req)
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_complete_load_changes_no_recency(make_manager: MakeManager, policy: str) -> None:
+    m = make_manager(4, cache_policy=policy)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2, 3)
+    m.prepare_load(ks(1, 3), ctx)
+    before = m.policy_state()
+    m.complete_load(ks(3, 1), ctx)
+    assert m.policy_state() == before
+    m.check_invariants()
+
+
+def test_touch_allocates_no_request_rank(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    store(m, ReqContext(req_id=""), 1)  # base rank 0; 1 -> (1, 0)
+    req = ReqContext(req_id="t")
+    m.touch(ks(1), req)  # 1 -> (2, 0); no request rank for req
+    assert lru_state(m) == ({k(1): (2, 0)}, 3)
+    store(m, req, 2)  # req's first access: rank 3; 2 -> (4, 0)
+    assert lru_state(m) == ({k(1): (2, 0), k(2): (4, 0)}, 5)
+    m.check_invariants()
+
+
+def test_touch_records_no_access(make_manager: MakeManager) -> None:
+    m = make_manager(4, cache_policy="arc")
+    base = ReqContext(req_id="")
+    store(m, base, 1, 2)
+    req = ReqContext(req_id="t")
+    m.on_new_request(req)
+    store(m, req, 3)
+    m.on_request_finished(req)
+    m.touch(ks(1, 2), req)  # unseen keys after finishing: not an error
+    assert arc_lists(m) == (ks(3), ks(2, 1), [], [])
+    # touching did not make 1, 2 seen: a finished request may not record them
+    with pytest.raises(RequestFinishedError):
+        m.prepare_load(ks(1), req)
+    m.check_invariants()
+
+
+def test_lru_touch_ranks_last_to_first(make_manager: MakeManager) -> None:
+    m = make_manager(5)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2, 3)  # rank 0 for ctx; 1, 2, 3 -> (1..3, 0)
+    m.prepare_store(ks(4), ctx)  # 4 pending -> (4, 0)
+    m.touch([k(1), k(4), k(9), k(2)], ctx)
+    r = ranks(m)
+    assert r[k(2)] == (5, 0)  # the last key is touched first
+    assert r[k(2)] < r[k(4)] < r[k(1)]  # pending keys get a rank, absent keys are skipped
+    assert r[k(3)] == (3, 0)
+    assert k(9) not in r
+    m.complete_store(ks(4), ctx)
+    out = m.prepare_store(ks(6, 7, 8, 10), ctx)  # one free chunk, three evictions
+    assert out.evicted_keys == ks(3, 2, 4)
+    m.check_invariants()
+
+
+# === prepare_store ===========================================================================
+
+
+def test_store_tracker_counts_the_whole_offer(make_manager: MakeManager) -> None:
+    m = make_manager(4, store_threshold=2)
+    ctx = ReqContext(req_id="")
+    assert m.prepare_store(ks(1), ctx).keys_to_store == []
+    assert m.prepare_store(ks(1), ctx).keys_to_store == ks(1)
+    assert m.prepare_store(ks(1), ctx).keys_to_store == []  # pending: counted, skipped
+    m.complete_store(ks(1), ctx)
+    assert m.prepare_store(ks(1), ctx).keys_to_store == []  # resident: counted
+    assert m.tracker_state() == [(k(1), 4)]  # never removed when stored
+    m.check_invariants()
+
+
+def test_store_partitions_the_offer(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1)
+    m.prepare_store(ks(2), ctx)
+    out = m.prepare_store(ks(5, 1, 2, 3), ctx)
+    assert out.keys_to_store == ks(5, 3)
+    assert chunk_ids(out) == [2, 3]
+    assert out.evicted_keys == []
+    m.check_invariants()
+
+
+def test_store_pending_keys_are_not_recorded(make_manager: MakeManager) -> None:
+    m = make_manager(5, cache_policy="arc")
+    base = ReqContext(req_id="")
+    store(m, base, 1, 2)
+    m.prepare_store(ks(3), base)  # 3 pending
+    req = ReqContext(req_id="r")
+    m.on_new_request(req)
+    assert m.prepare_store(ks(3, 4), req).keys_to_store == ks(4)
+    m.on_request_finished(req)
+    # 3 was neither seen nor reused: it stays in T1 where it was
+    assert arc_lists(m) == (ks(1, 2, 3, 4), [], [], [])
+    # still pending: offering it again records nothing, so no error
+    assert m.prepare_store(ks(3), req).keys_to_store == []
+    m.complete_store(ks(3, 4), base)
+    # readable now: offering it records it, and the finished request never saw it
+    with pytest.raises(RequestFinishedError):
+        m.prepare_store(ks(3), req)
+    m.check_invariants()
+
+
+def test_store_threshold_drops_are_skipped_and_not_recorded(make_manager: MakeManager) -> None:
+    m = make_manager(4, store_threshold=2)
+    req = ReqContext(req_id="r")
+    m.on_new_request(req)
+    out = m.prepare_store(ks(1, 2), req)
+    assert out.keys_to_store == []
+    # nothing was recorded: no request rank was taken
+    assert lru_state(m) == ({}, 0)
+    assert stats_data(m)[SKIPPED] == 2
+    m.on_request_finished(req)
+    # a dropped, unseen key of a finished request is not recorded, so it is no error
+    assert m.prepare_store(ks(3), req).keys_to_store == []
+    # 1 now passes the threshold, but the finished request never saw it
+    with pytest.raises(RequestFinishedError):
+        m.prepare_store(ks(1), req)
+    m.check_invariants()
+
+
+def test_store_records_in_offer_order(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    base = ReqContext(req_id="")
+    store(m, base, 1)  # base rank 0; 1 -> (1, 0)
+    req = ReqContext(req_id="r")
+    m.on_new_request(req)
+    store(m, req, 5, 1, 6)  # req rank 2; 5 -> (3, 0), 6 -> (4, 0)
+    m.on_request_finished(req)  # seen 5, 1, 6: fresh ranks 6, 1, 5
+    assert lru_state(m) == ({k(6): (5, 0), k(1): (6, 0), k(5): (7, 0)}, 8)
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("case", ["existing", "pending", "dropped"])
+def test_store_without_candidates_returns_empty_output(
+    make_manager: MakeManager, case: str
+) -> None:
+    m = make_manager(2, store_threshold=2)
+    ctx = ReqContext(req_id="")
+    for _ in range(2):
+        m.prepare_store(ks(1, 2), ctx)
+    if case == "existing":
+        m.complete_store(ks(1, 2), ctx)
+    m.get_stats()
+    offer = ks(3, 4) if case == "dropped" else ks(1, 2)
+    out = m.prepare_store(offer, ctx)
+    assert out is not None
+    assert (out.keys_to_store, out.evicted_keys, chunk_ids(out)) == ([], [], [])
+    assert out.store_spec.block_ids.dtype == np.int32
+    assert ALLOC not in stats_data(m)
+    m.check_invariants()
+
+
+def test_store_evicts_exactly_the_shortfall(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2, 3)
+    out = m.prepare_store(ks(4, 5), ctx)
+    assert out.evicted_keys == ks(1)
+    assert chunk_ids(out) == [3, 0]
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_store_eviction_failure_changes_no_chunk(make_manager: MakeManager, policy: str) -> None:
+    m = make_manager(2, cache_policy=policy, enable_events=True)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2)  # ctx has taken its request rank already
+    drain(m)
+    before = (m.policy_state(), m.resident(), m.pool_state())
+    # 2 evictable chunks cover the shortfall of 2, but 1 is offered, so the policy cannot evict
+    assert m.prepare_store(ks(1, 3, 4), ctx) is None
+    assert (m.policy_state(), m.resident(), m.pool_state()) == before
+    assert drain(m) == []
+    assert stats_data(m)[ALLOC] == [2, 2]
+    m.check_invariants()
+
+
+def test_store_eviction_event_comes_first(make_manager: MakeManager) -> None:
+    m = make_manager(2, enable_events=True)
+    ctx = ReqContext(req_id="")
+    m.prepare_store(ks(1, 2), ctx)
+    m.complete_store(ks(2), ctx)
+    out = m.prepare_store(ks(3), ctx)
+    assert out.evicted_keys == ks(2)
+    m.complete_store(ks(1, 3), ctx)
+    assert drain(m) == [("stored", ks(2)), ("removed", ks(2)), ("stored", ks(1, 3))]
+    m.check_invariants()
+
+
+def test_store_after_none_side_effects_lru(make_manager: MakeManager) -> None:
+    m = make_manager(2)
+    base = ReqContext(req_id="")
+    store(m, base, 1, 2)  # base rank 0; 1 -> (1, 0), 2 -> (2, 0)
+    m.prepare_load(ks(1, 2), base)
+    req = request("r", {k(1): 16})
+    assert m.prepare_store(ks(1, 3), req) is None
+    # step 5 happened: 1 was a first sighting, so its rank was raised with req's rank 3
+    assert lru_state(m) == ({k(1): (3, -16), k(2): (2, 0)}, 4)
+    assert stats_data(m)[ALLOC] == [2, 1]
+    m.on_request_finished(req)  # seen 1, 3 (3 lacks a position): 1 gets a fresh rank
+    rank = ranks(m)[k(1)]
+    assert rank[1] == 0
+    assert rank > (3, 0)
+    m.complete_load(ks(1, 2), base)
+    # 3 was recorded as seen by the None call: a finished request may still store it
+    out = m.prepare_store(ks(3), req)
+    assert out.keys_to_store == ks(3)
+    m.check_invariants()
+
+
+# === complete_store ==========================================================================
+
+
+def test_complete_store_ignores_keys_not_pending(make_manager: MakeManager) -> None:
+    m = make_manager(6, enable_events=True)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2)
+    m.prepare_load(ks(2), ctx)
+    m.prepare_store(ks(3, 4, 5), ctx)
+    drain(m)
+    m.complete_store([k(9), k(5), k(1), k(2), k(3), k(5), k(3)], ctx)
+    assert drain(m) == [("stored", ks(5, 3))]
+    assert m.resident() == {
+        k(1): (0, 0),
+        k(2): (1, 1),
+        k(3): (2, 0),
+        k(4): (3, -1),
+        k(5): (4, 0),
+    }
+    m.complete_store(ks(9, 1, 2, 3), ctx)  # nothing qualifies: no event
+    m.complete_store(ks(9, 1, 2, 3), ctx, success=False)
+    assert drain(m) == []
+    assert len(m.resident()) == 5
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_complete_store_failure_removes_pending_only(
+    make_manager: MakeManager, policy: str
+) -> None:
+    m = make_manager(4, cache_policy=policy, enable_events=True)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1)
+    m.prepare_store(ks(2, 3), ctx)
+    drain(m)
+    m.complete_store([k(3), k(1), k(3), k(2)], ctx, success=False)
+    assert drain(m) == [("cleanup", ks(3, 2))]
+    assert m.resident() == {k(1): (0, 0)}
+    assert m.pool_state() == (3, [2, 1])  # each chunk freed once, in the given order
+    if policy == "arc":
+        assert arc_lists(m) == (ks(1), [], [], [])  # no ghost entry
+    else:
+        assert set(ranks(m)) == {k(1)}
+    m.check_invariants()
+
+
+def test_failed_store_keeps_request_inserted_keys(make_manager: MakeManager) -> None:
+    m = make_manager(4, cache_policy="arc")
+    base = ReqContext(req_id="")
+    store(m, base, 1)
+    req = ReqContext(req_id="a")
+    m.on_new_request(req)
+    m.prepare_store(ks(2), req)
+    m.complete_store(ks(2), req, success=False)
+    store(m, base, 2, 3)
+    m.prepare_load(ks(2), req)  # 2 is still among req's inserted keys: not reused
+    m.complete_load(ks(2), req)
+    m.on_request_finished(req)  # inserted-only: 2 moves to T1's newest end, not to T2
+    assert arc_lists(m) == (ks(1, 3, 2), [], [], [])
+    m.check_invariants()

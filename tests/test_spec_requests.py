@@ -1,0 +1,511 @@
+"""SPEC.md rules for events, request state, reset_cache, stats and the small calls.
+
+Expected values are worked out by hand from SPEC.md; comments give the arithmetic where it is not
+obvious. LRU ranks are ``(major, minor)``; a context's first recording call that sees a new key
+takes a request rank from the same counter as fresh ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from _helpers import (
+    ALLOC,
+    HIT,
+    MISS,
+    READ,
+    SKIPPED,
+    USAGE,
+    WRITE,
+    MakeManager,
+    arc_lists,
+    drain,
+    k,
+    ks,
+    lru_state,
+    ranks,
+    request,
+    stats_data,
+    store,
+    target,
+)
+from kvoffload import (
+    CacheHitSource,
+    Medium,
+    OffloadPolicy,
+    ReqContext,
+    RequestFinishedError,
+    RequestOffloadingContext,
+)
+
+# === Events and take_events =================================================================
+
+
+def test_event_fields(make_manager: MakeManager) -> None:
+    m = make_manager(1, enable_events=True)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1)
+    store(m, ctx, 2)
+    m.prepare_store(ks(3), ctx)
+    m.complete_store(ks(3), ctx, success=False)
+    events = list(m.take_events())
+    assert [(e.removed, e.metadata_only, list(e.keys)) for e in events] == [
+        (False, False, ks(1)),
+        (True, False, ks(1)),
+        (False, False, ks(2)),
+        (True, False, ks(2)),
+        (True, True, ks(3)),
+    ]
+    for e in events:
+        assert e.medium is Medium.CPU
+        assert e.locality is None
+        assert e.ownership is None
+        assert e.removal_expected is False
+    m.check_invariants()
+
+
+def test_events_disabled_queue_nothing(make_manager: MakeManager) -> None:
+    m = make_manager(1)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1)
+    store(m, ctx, 2)
+    m.prepare_store(ks(3), ctx)
+    m.complete_store(ks(3), ctx, success=False)
+    assert list(m.take_events()) == []
+    m.check_invariants()
+
+
+def test_take_events_detaches_on_first_step(make_manager: MakeManager) -> None:
+    m = make_manager(4, enable_events=True)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1)
+    it = m.take_events()
+    store(m, ctx, 2)  # queued before the first step: part of this batch
+    assert next(it).keys == ks(1)
+    store(m, ctx, 3)  # queued after the batch was detached: next batch
+    assert [list(e.keys) for e in it] == [ks(2)]
+    assert drain(m) == [("stored", ks(3))]
+    assert drain(m) == []
+    m.check_invariants()
+
+
+def test_take_events_filters_cleanup_when_reached(make_manager: MakeManager) -> None:
+    m = make_manager(4, enable_events=True)
+    ctx = ReqContext(req_id="")
+    m.prepare_store(ks(1, 2, 3), ctx)
+    m.complete_store(ks(1), ctx)
+    m.complete_store(ks(2, 3), ctx, success=False)
+    m.prepare_store(ks(4), ctx)
+    m.complete_store(ks(4), ctx, success=False)
+    it = m.take_events()
+    assert list(next(it).keys) == ks(1)
+    m.prepare_store(ks(3, 4), ctx)  # resident again before their cleanups are reached
+    assert [(e.metadata_only, list(e.keys)) for e in it] == [(True, ks(2))]  # {4} vanished
+    m.check_invariants()
+
+
+def test_take_events_keeps_evictions_of_returned_keys(make_manager: MakeManager) -> None:
+    m = make_manager(1, enable_events=True)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1)
+    store(m, ctx, 2)
+    store(m, ctx, 1)
+    assert drain(m) == [
+        ("stored", ks(1)),
+        ("removed", ks(1)),
+        ("stored", ks(2)),
+        ("removed", ks(2)),
+        ("stored", ks(1)),
+    ]
+    m.check_invariants()
+
+
+# === Request state: on_new_request / on_request_finished =====================================
+
+
+def test_on_new_request_returns_chunk_level(make_manager: MakeManager) -> None:
+    m = make_manager(2)
+    result = m.on_new_request(ReqContext(req_id="r"))
+    assert isinstance(result, RequestOffloadingContext)
+    assert result.policy is OffloadPolicy.CHUNK_LEVEL
+    m.check_invariants()
+
+
+def test_finished_request_stays_finished(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    req = ReqContext(req_id="r")
+    m.on_new_request(req)
+    store(m, req, 1)
+    m.on_request_finished(req)
+    m.on_new_request(req)  # current state: stays finished
+    with pytest.raises(RequestFinishedError):
+        m.prepare_store(ks(2), req)
+    # keys already seen may still be loaded, offered and stored
+    m.prepare_load(ks(1), req)
+    m.complete_load(ks(1), req)
+    assert m.prepare_store(ks(1), req).keys_to_store == []
+    m.check_invariants()
+
+
+def test_finished_request_may_store_seen_keys_again(make_manager: MakeManager) -> None:
+    m = make_manager(1)
+    req = ReqContext(req_id="r")
+    store(m, req, 1)
+    m.on_request_finished(req)
+    store(m, ReqContext(req_id=""), 2)  # evicts 1
+    out = m.prepare_store(ks(1), req)
+    assert out.keys_to_store == ks(1)
+    assert out.evicted_keys == ks(2)
+    m.check_invariants()
+
+
+def test_finish_only_once(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    req = ReqContext(req_id="r")
+    store(m, req, 1, 2)  # rank 0; 1 -> (1, 0), 2 -> (2, 0)
+    m.on_request_finished(req)  # 2 -> (3, 0), 1 -> (4, 0)
+    assert lru_state(m) == ({k(1): (4, 0), k(2): (3, 0)}, 5)
+    m.touch(ks(2), req)  # 2 -> (5, 0)
+    m.on_request_finished(req)
+    assert lru_state(m) == ({k(1): (4, 0), k(2): (5, 0)}, 6)
+    m.check_invariants()
+
+
+def test_finish_without_state_creates_none(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    req = ReqContext(req_id="r")
+    m.on_request_finished(req)
+    assert req._state == {}
+    assert m.prepare_store(ks(1), req).keys_to_store == ks(1)  # not finished
+    m.check_invariants()
+
+
+def test_finish_with_stale_state_does_nothing(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    req = ReqContext(req_id="a")
+    store(m, req, 1)
+    m.reset_cache()
+    base = ReqContext(req_id="")
+    store(m, base, 1, 2)
+    before = m.policy_state()
+    m.on_request_finished(req)  # stale: 1 is not re-ranked
+    assert m.policy_state() == before
+    store(m, req, 3)  # fresh, unfinished state
+    m.check_invariants()
+
+
+def test_finish_orders_by_position_within_one_group(make_manager: MakeManager) -> None:
+    m = make_manager(8)
+    req = request("a", {k(3): 48, k(1): 16, k(2): 32})
+    m.on_new_request(req)
+    store(m, req, 3, 1, 2)  # rank 0: tails rank older
+    assert lru_state(m) == ({k(3): (0, -48), k(1): (0, -16), k(2): (0, -32)}, 1)
+    m.on_request_finished(req)  # head-to-tail 1, 2, 3; ranks from the tail
+    assert lru_state(m) == ({k(3): (1, 0), k(2): (2, 0), k(1): (3, 0)}, 4)
+    m.check_invariants()
+
+
+def test_finish_keeps_first_seen_order_without_all_positions(make_manager: MakeManager) -> None:
+    m = make_manager(8)
+    req = request("a", {k(1): 16})
+    store(m, req, 3, 1, 2)  # rank 0; 3 -> (1, 0), 1 -> (0, -16), 2 -> (2, 0)
+    assert lru_state(m) == ({k(3): (1, 0), k(1): (0, -16), k(2): (2, 0)}, 3)
+    m.on_request_finished(req)
+    assert lru_state(m) == ({k(2): (3, 0), k(1): (4, 0), k(3): (5, 0)}, 6)
+    m.check_invariants()
+
+
+def test_finish_reads_positions_at_finish_time(make_manager: MakeManager) -> None:
+    m = make_manager(8)
+    req = ReqContext(req_id="a")
+    store(m, req, 3, 1, 2)  # rank 0; 3, 1, 2 -> (1..3, 0)
+    for key, pos in ((k(3), 48), (k(1), 16), (k(2), 32)):
+        req.set_offload_key_position(key, pos)
+    m.on_request_finished(req)
+    assert lru_state(m) == ({k(3): (4, 0), k(2): (5, 0), k(1): (6, 0)}, 7)
+    m.check_invariants()
+
+
+def test_finish_groups_all_positions(make_manager: MakeManager) -> None:
+    m = make_manager(8)
+    a0, b0, a1, b1 = k(1, 0), k(2, 0), k(1, 1), k(2, 1)
+    req = request("a", {a0: 32, b0: 16, a1: 32, b1: 16})
+    m.prepare_store([a0, a1, b0, b1], req)  # rank 0; pending, left pending
+    assert lru_state(m) == ({a0: (0, -32), a1: (0, -32), b0: (0, -16), b1: (0, -16)}, 1)
+    # groups [b0, a0] and [b1, a1]; all positioned: stable sort gives b0, b1, a0, a1
+    m.on_request_finished(req)
+    assert lru_state(m) == ({a1: (1, 0), a0: (2, 0), b1: (3, 0), b0: (4, 0)}, 5)
+    m.check_invariants()
+
+
+def test_finish_groups_partial_positions(make_manager: MakeManager) -> None:
+    m = make_manager(8)
+    a0, b0, a1, b1 = k(1, 0), k(2, 0), k(1, 1), k(2, 1)
+    req = request("a", {a0: 32, b0: 16, a1: 32})
+    m.prepare_store([a0, a1, b0, b1], req)  # rank 0; b1 has no position: fresh (1, 0)
+    assert lru_state(m) == ({a0: (0, -32), a1: (0, -32), b0: (0, -16), b1: (1, 0)}, 2)
+    # group 0 sorted [b0, a0]; group 1 first-seen [a1, b1]; no global sort
+    m.on_request_finished(req)
+    assert lru_state(m) == ({b1: (2, 0), a1: (3, 0), a0: (4, 0), b0: (5, 0)}, 6)
+    m.check_invariants()
+
+
+def test_arc_finish_uses_the_same_head_to_tail_list(make_manager: MakeManager) -> None:
+    m = make_manager(8, cache_policy="arc")
+    a0, b0, a1, b1 = k(1, 0), k(2, 0), k(1, 1), k(2, 1)
+    req = request("a", {a0: 32, b0: 16, a1: 32, b1: 16})
+    out = m.prepare_store([a0, a1, b0, b1], req)
+    m.complete_store(out.keys_to_store, req)
+    assert arc_lists(m) == ([a0, a1, b0, b1], [], [], [])
+    m.on_request_finished(req)  # list b0, b1, a0, a1; inserted-only, walked last to first
+    assert arc_lists(m) == ([a1, a0, b1, b0], [], [], [])
+    m.check_invariants()
+
+
+def test_request_state_is_per_manager(make_manager: MakeManager) -> None:
+    m1 = make_manager(2)
+    m2 = make_manager(2)
+    req = ReqContext(req_id="r")
+    store(m1, req, 1)
+    m1.on_request_finished(req)
+    assert m2.prepare_store(ks(2), req).keys_to_store == ks(2)
+    m1.check_invariants()
+    m2.check_invariants()
+
+
+def test_vllm_shaped_context(make_manager: MakeManager) -> None:
+    class DuckContext:
+        """Only the three methods the manager may use; no other attributes."""
+
+        __slots__ = ("_p", "_s")
+
+        def __init__(self, positions: dict[bytes, int]) -> None:
+            self._p = positions
+            self._s: dict[type, Any] = {}
+
+        def get_state(self, cls: type) -> Any:
+            return self._s.get(cls)
+
+        def set_state(self, val: Any) -> None:
+            self._s[type(val)] = val
+
+        def get_offload_key_position(self, key: bytes) -> int | None:
+            return self._p.get(key)
+
+    m = make_manager(8)
+    req = DuckContext({k(3): 48, k(1): 16, k(2): 32})
+    m.on_new_request(req)
+    store(m, req, 3, 1, 2)
+    assert m.lookup(k(1), req) is HIT
+    assert m.get_load_source(k(1), req) is CacheHitSource.HOST
+    m.prepare_load(ks(1), req)
+    m.complete_load(ks(1), req)
+    m.touch(ks(2), req)
+    m.on_request_finished(req)
+    assert sorted(ranks(m), key=ranks(m).__getitem__) == ks(3, 2, 1)
+    with pytest.raises(RequestFinishedError):
+        m.prepare_store(ks(4), req)
+    m.check_invariants()
+
+
+# === reset_cache =============================================================================
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_reset_drops_chunks_and_policy_state(make_manager: MakeManager, policy: str) -> None:
+    m = make_manager(2, cache_policy=policy)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2)
+    store(m, ctx, 3)
+    m.touch(ks(3), ctx)
+    m.prepare_load(ks(3), ctx)
+    m.prepare_store(ks(4), ctx)
+    if policy == "arc":
+        m._debug_set_arc_target(1.5)
+    m.reset_cache()
+    assert m.resident() == {}
+    assert m.pool_state() == (0, [])
+    if policy == "arc":
+        assert arc_lists(m) == ([], [], [], [])
+        assert target(m) == 0.0
+    else:
+        assert lru_state(m) == ({}, 0)
+    d = stats_data(m)
+    assert (d[USAGE], d[WRITE], d[READ]) == (0.0, 0.0, 0.0)
+    assert m.lookup(k(3), ctx) is MISS
+    m.check_invariants()
+
+
+def test_reset_keeps_events_tracker_and_pending_stats(make_manager: MakeManager) -> None:
+    m = make_manager(2, enable_events=True, store_threshold=2)
+    ctx = ReqContext(req_id="")
+    m.prepare_store(ks(1, 2), ctx)
+    m.prepare_store(ks(1), ctx)
+    m.complete_store(ks(1), ctx)
+    m.prepare_store(ks(1, 3), ctx)  # 3 skipped; no candidate, no sample
+    m.reset_cache()
+    assert m.tracker_state() == [(k(2), 1), (k(1), 3), (k(3), 1)]
+    assert drain(m) == [("stored", ks(1))]
+    d = stats_data(m)
+    assert d[SKIPPED] == 3
+    assert d[ALLOC] == [1]
+    m.check_invariants()
+
+
+def test_reset_makes_request_ranks_stale(make_manager: MakeManager) -> None:
+    m = make_manager(8)
+    req = request("a", {k(51): 16})
+    store(m, req, 1)  # req rank 0
+    m.reset_cache()
+    store(m, ReqContext(req_id="x"), 50)  # x rank 0; 50 -> (1, 0)
+    store(m, req, 51)  # stale: req takes a fresh rank 2; 51 -> (2, -16)
+    assert lru_state(m) == ({k(50): (1, 0), k(51): (2, -16)}, 3)
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("announce", [False, True])
+def test_reset_unfinishes_stale_requests(make_manager: MakeManager, announce: bool) -> None:
+    m = make_manager(4)
+    req = ReqContext(req_id="a")
+    store(m, req, 1)
+    m.on_request_finished(req)
+    m.reset_cache()
+    if announce:
+        m.on_new_request(req)  # stale state is not current: fresh state
+    assert m.prepare_store(ks(2), req).keys_to_store == ks(2)
+    m.check_invariants()
+
+
+# === Stats ===================================================================================
+
+
+def test_stats_layout_minimal(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    data = m.get_stats().data
+    assert list(data) == ["types", "data", "info"]
+    assert list(data["types"].items()) == [(USAGE, "gauge"), (WRITE, "gauge"), (READ, "gauge")]
+    assert list(data["data"]) == [USAGE, WRITE, READ]
+    assert all(series == {(): 0.0} for series in data["data"].values())
+    assert data["info"] is None
+    m.check_invariants()
+
+
+def test_stats_layout_full(make_manager: MakeManager) -> None:
+    m = make_manager(4, store_threshold=2)
+    ctx = ReqContext(req_id="")
+    m.prepare_store(ks(1, 2, 3), ctx)
+    m.prepare_store(ks(1, 2, 3), ctx)
+    m.prepare_store(ks(1), ctx)
+    m.prepare_store(ks(4, 5), ctx)
+    m.prepare_store(ks(4), ctx)
+    data = m.get_stats().data
+    assert list(data["types"].items()) == [
+        (USAGE, "gauge"),
+        (ALLOC, "histogram"),
+        (WRITE, "gauge"),
+        (READ, "gauge"),
+        (SKIPPED, "counter"),
+    ]
+    assert list(data["data"]) == [USAGE, ALLOC, WRITE, READ, SKIPPED]
+    assert data["data"][ALLOC] == {(): [3, 1]}
+    assert data["data"][SKIPPED] == {(): 5}
+    assert data["data"][USAGE] == {(): 1.0}
+    assert data["info"] is None
+    data = m.get_stats().data
+    assert list(data["data"]) == [USAGE, WRITE, READ, SKIPPED]
+    assert data["data"][SKIPPED] == {(): 0}
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("threshold", [0, 1])
+def test_stats_no_skip_counter_without_tracker(make_manager: MakeManager, threshold: int) -> None:
+    m = make_manager(4, store_threshold=threshold)
+    m.prepare_store(ks(1), ReqContext(req_id=""))
+    assert SKIPPED not in m.get_stats().data["types"]
+    assert m.tracker_state() is None
+    m.check_invariants()
+
+
+def test_stats_read_usage_is_a_float_difference(make_manager: MakeManager) -> None:
+    assert 3 / 10 - 1 / 10 != 2 / 10  # the case where the difference is not pinned / n
+    m = make_manager(10)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2)
+    m.prepare_load(ks(1, 2), ctx)
+    m.prepare_store(ks(3), ctx)
+    d = stats_data(m)
+    assert d[USAGE] == 3 / 10
+    assert d[WRITE] == 1 / 10
+    assert d[READ] == 3 / 10 - 1 / 10
+    m.check_invariants()
+
+
+def test_stats_histogram_in_observation_order(make_manager: MakeManager) -> None:
+    m = make_manager(8)
+    ctx = ReqContext(req_id="")
+    m.prepare_store(ks(1, 2, 3), ctx)
+    m.prepare_store(ks(4), ctx)
+    m.prepare_store(ks(5, 6), ctx)
+    assert stats_data(m)[ALLOC] == [3, 1, 2]
+    m.prepare_store(ks(7), ctx)
+    assert stats_data(m)[ALLOC] == [1]
+    m.check_invariants()
+
+
+# === Small calls =============================================================================
+
+
+def test_small_calls(make_manager: MakeManager) -> None:
+    m = make_manager(4, cache_policy="arc", enable_events=True)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2)
+    m.prepare_store(ks(3), ctx)
+    with m.lock:
+        assert m.lookup(k(1), ctx) is HIT
+    with m.lock:
+        pass
+    assert m.get_load_source(k(1), ctx) is CacheHitSource.HOST
+    assert m.medium == Medium.CPU
+    before = (m.policy_state(), m.resident(), m.pool_state())
+    m.on_schedule_end(ctx)
+    m.on_reset_flushed()
+    assert m.has_pending_work() is False
+    assert (m.policy_state(), m.resident(), m.pool_state()) == before
+    assert drain(m) == [("stored", ks(1, 2))]
+    m.shutdown()
+    m.check_invariants()
+
+
+def test_config_info(make_manager: MakeManager) -> None:
+    @dataclasses.dataclass
+    class Info:
+        block_size: int = 16
+        tier: str | None = None
+
+    assert make_manager(2).config_info() == [{}]
+    assert make_manager(2, info=Info()).config_info() == [{"block_size": 16, "tier": "None"}]
+
+
+def test_registered_policy_wins_over_module_path(make_manager: MakeManager) -> None:
+    m = make_manager(2, cache_policy="arc", cache_policy_module_path="no.such.module")
+    assert m.policy_state()["policy"] == "arc"
+    m.check_invariants()
+
+
+def test_lookup_prefix(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2, 4)
+    m.prepare_load(ks(2), ctx)
+    m.prepare_store(ks(5), ctx)
+    before = (m.policy_state(), m.resident(), m.pool_state())
+    assert m.lookup_prefix([], ctx) == 0
+    assert m.lookup_prefix(ks(1, 2, 4), ctx) == 3  # ready and pinned keys are hits
+    assert m.lookup_prefix(ks(1, 2, 3, 4), ctx) == 2  # stops at the first miss
+    assert m.lookup_prefix(ks(4, 5, 1), ctx) == 1  # a pending key is not a hit
+    assert m.lookup_prefix(ks(3, 1), ctx) == 0
+    assert (m.policy_state(), m.resident(), m.pool_state()) == before
+    m.check_invariants()
