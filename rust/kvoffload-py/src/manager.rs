@@ -11,6 +11,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use std::sync::{Mutex, MutexGuard};
 
+/// A poisoned lock (only after a panic, which this crate does not raise).
+struct Poisoned;
+
 /// The Rust manager; `kvoffload.CPUOffloadingManager` adapts it to vLLM's API.
 #[pyclass(frozen, module = "kvoffload._native")]
 pub(crate) struct ManagerCore {
@@ -20,8 +23,24 @@ pub(crate) struct ManagerCore {
 }
 
 impl ManagerCore {
+    /// The manager, locked. A poisoned lock's guard is dropped before the Python error is made.
     fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, Manager>> {
-        self.inner.lock().map_err(|_| poisoned(py))
+        self.inner
+            .lock()
+            .map_err(|_| Poisoned)
+            .map_err(|Poisoned| poisoned(py))
+    }
+
+    /// Run `f` on the manager and one request's state, both locked; nothing Python runs while
+    /// they are held (errors are converted by the caller after this returns).
+    fn with_state<R>(
+        &self,
+        state: &RequestState,
+        f: impl FnOnce(&mut Manager, &mut core::RequestState) -> R,
+    ) -> Result<R, Poisoned> {
+        let mut m = self.inner.lock().map_err(|_| Poisoned)?;
+        let mut s = state.inner.lock().map_err(|_| Poisoned)?;
+        Ok(f(&mut m, &mut s))
     }
 
     /// The context's current state for this manager, or a fresh one to install on success.
@@ -33,11 +52,9 @@ impl ManagerCore {
         let cls = py.get_type::<RequestState>();
         if let Some(obj) = ctx.get_state(&cls)? {
             if let Ok(state) = obj.cast_into::<RequestState>() {
-                let current = {
-                    let m = self.lock(py)?;
-                    let s = state.get().inner.lock().map_err(|_| poisoned(py))?;
-                    m.is_current(&s)
-                };
+                let current = self
+                    .with_state(state.get(), |m, s| m.is_current(s))
+                    .map_err(|Poisoned| poisoned(py))?;
                 if current {
                     return Ok((state, false));
                 }
@@ -79,18 +96,19 @@ impl ManagerCore {
             .iter()
             .filter_map(|(k, v)| k.cast_into::<PyBytes>().ok().map(|k| (k, v)))
             .collect();
-        let (n, slots) = {
-            let m = self.lock(py)?;
-            let s = state.get().inner.lock().map_err(|_| poisoned(py))?;
-            if !m.is_current(&s) || s.is_finished() {
-                return Ok(None);
-            }
-            let slots: Vec<Option<usize>> = items
-                .iter()
-                .map(|(k, _)| s.index_of(k.as_bytes()))
-                .collect();
-            let n = s.seen_keys().len();
-            (n, slots)
+        let found = self
+            .with_state(state.get(), |m, s| {
+                (m.is_current(s) && !s.is_finished()).then(|| {
+                    let slots: Vec<Option<usize>> = items
+                        .iter()
+                        .map(|(k, _)| s.index_of(k.as_bytes()))
+                        .collect();
+                    (s.seen_keys().len(), slots)
+                })
+            })
+            .map_err(|Poisoned| poisoned(py))?;
+        let Some((n, slots)) = found else {
+            return Ok(None);
         };
         let mut positions = vec![None; n];
         for ((_, v), slot) in items.iter().zip(slots) {
@@ -108,13 +126,14 @@ impl ManagerCore {
         ctx: &Context<'_>,
         state: &Bound<'_, RequestState>,
     ) -> PyResult<Option<Vec<Option<i64>>>> {
-        let seen: Vec<Vec<u8>> = {
-            let m = self.lock(py)?;
-            let s = state.get().inner.lock().map_err(|_| poisoned(py))?;
-            if !m.is_current(&s) || s.is_finished() {
-                return Ok(None);
-            }
-            s.seen_keys().map(<[u8]>::to_vec).collect()
+        let seen = self
+            .with_state(state.get(), |m, s| {
+                (m.is_current(s) && !s.is_finished())
+                    .then(|| s.seen_keys().map(<[u8]>::to_vec).collect::<Vec<_>>())
+            })
+            .map_err(|Poisoned| poisoned(py))?;
+        let Some(seen) = seen else {
+            return Ok(None);
         };
         seen.iter()
             .map(|k| ctx.position(PyBytes::new(py, k).as_any()))
@@ -240,12 +259,12 @@ impl ManagerCore {
         let positions = self.positions(&ctx, &keys)?;
         let (state, fresh) = self.request_state(py, &ctx)?;
         let slices = keys.slices();
-        let chunks = {
-            let mut m = self.lock(py)?;
-            let mut s = state.get().inner.lock().map_err(|_| poisoned(py))?;
-            m.prepare_load(&slices, positions.as_deref(), &mut s)
-                .map_err(|e| to_py(py, e))?
-        };
+        let chunks = self
+            .with_state(state.get(), |m, s| {
+                m.prepare_load(&slices, positions.as_deref(), s)
+            })
+            .map_err(|Poisoned| poisoned(py))?
+            .map_err(|e| to_py(py, e))?;
         if fresh {
             ctx.set_state(state.as_any())?;
         }
@@ -256,9 +275,8 @@ impl ManagerCore {
     fn complete_load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
-        self.lock(py)?
-            .complete_load(&slices)
-            .map_err(|e| to_py(py, e))
+        let done = self.lock(py)?.complete_load(&slices);
+        done.map_err(|e| to_py(py, e))
     }
 
     /// Forward a touch to the policy.
@@ -281,12 +299,12 @@ impl ManagerCore {
         let positions = self.positions(&ctx, &keys)?;
         let (state, fresh) = self.request_state(py, &ctx)?;
         let slices = keys.slices();
-        let outcome = {
-            let mut m = self.lock(py)?;
-            let mut s = state.get().inner.lock().map_err(|_| poisoned(py))?;
-            m.prepare_store(&slices, positions.as_deref(), &mut s)
-                .map_err(|e| to_py(py, e))?
-        };
+        let outcome = self
+            .with_state(state.get(), |m, s| {
+                m.prepare_store(&slices, positions.as_deref(), s)
+            })
+            .map_err(|Poisoned| poisoned(py))?
+            .map_err(|e| to_py(py, e))?;
         if fresh {
             ctx.set_state(state.as_any())?;
         }
@@ -346,9 +364,8 @@ impl ManagerCore {
         let Some(positions) = positions else {
             return Ok(());
         };
-        let mut m = self.lock(py)?;
-        let mut s = state.get().inner.lock().map_err(|_| poisoned(py))?;
-        m.on_request_finished(&mut s, &positions)
+        self.with_state(state.get(), |m, s| m.on_request_finished(s, &positions))
+            .map_err(|Poisoned| poisoned(py))?
             .map_err(|e| to_py(py, e))
     }
 
@@ -411,7 +428,8 @@ impl ManagerCore {
 
     /// Raise `InvariantViolation` if any internal invariant is broken.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        self.lock(py)?.validate().map_err(|e| to_py(py, e))
+        let checked = self.lock(py)?.validate();
+        checked.map_err(|e| to_py(py, e))
     }
 
     /// `{key: (chunk_id, ref_cnt)}` of every resident key.
