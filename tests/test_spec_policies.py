@@ -1,8 +1,6 @@
 """SPEC.md rules for the LRU and ARC policies and the admission tracker.
 
-Expected values are worked out by hand from SPEC.md; comments give the arithmetic where it is not
-obvious. LRU ranks are ``(major, minor)``; a context's first recording call that sees a new key
-takes a request rank from the same counter as fresh ranks.
+Expected values are worked out by hand from SPEC.md, as in test_spec_calls.py.
 """
 
 from __future__ import annotations
