@@ -155,12 +155,6 @@ impl RefCountTable {
         self.num_evictable = 0;
     }
 
-    /// Number of present slots.
-    #[must_use]
-    pub fn num_present(&self) -> usize {
-        self.counts.iter().filter(|&&n| n != ABSENT).count()
-    }
-
     /// Check the totals against the counts.
     pub fn validate(&self) -> Result<()> {
         let pending = self.counts.iter().filter(|&&n| n == PENDING).count();

@@ -24,11 +24,7 @@ impl<'py> Keys<'py> {
                 }
                 Err(e) => {
                     let got = e.into_inner();
-                    let ty = got
-                        .get_type()
-                        .name()
-                        .map(|n| n.to_string())
-                        .unwrap_or_default();
+                    let ty = type_name(&got);
                     Err(invalid_key(py, format!("keys must be bytes, got {ty}")))
                 }
             }
@@ -48,11 +44,7 @@ impl<'py> Keys<'py> {
             ));
         } else {
             let iter = obj.try_iter().map_err(|_| {
-                let ty = obj
-                    .get_type()
-                    .name()
-                    .map(|n| n.to_string())
-                    .unwrap_or_default();
+                let ty = type_name(obj);
                 invalid_key(py, format!("keys must be an iterable of bytes, got {ty}"))
             })?;
             for item in iter {
@@ -68,16 +60,20 @@ impl<'py> Keys<'py> {
     }
 }
 
+/// The Python type name of `obj`, for error messages.
+pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default()
+}
+
 /// One key argument.
 pub(crate) fn one_key<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
     if let Ok(b) = obj.cast::<PyBytes>() {
         return Ok(b.as_bytes());
     }
-    let ty = obj
-        .get_type()
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_default();
+    let ty = type_name(obj);
     Err(invalid_key(
         obj.py(),
         format!("a key must be bytes, got {ty}"),
@@ -105,11 +101,7 @@ pub(crate) fn position_value(v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
         return Ok(None);
     }
     v.extract::<i64>().map(Some).map_err(|_| {
-        let ty = v
-            .get_type()
-            .name()
-            .map(|n| n.to_string())
-            .unwrap_or_default();
+        let ty = type_name(v);
         raise(
             v.py(),
             "InvalidArgumentError",
@@ -187,11 +179,7 @@ impl<'py> Context<'py> {
             const METHODS: [&str; 3] = ["get_state", "set_state", "get_offload_key_position"];
             for name in METHODS {
                 if !obj.getattr(name).is_ok_and(|m| m.is_callable()) {
-                    let ty = obj
-                        .get_type()
-                        .name()
-                        .map(|n| n.to_string())
-                        .unwrap_or_default();
+                    let ty = type_name(obj);
                     return Err(raise(
                         py,
                         "InvalidArgumentError",
