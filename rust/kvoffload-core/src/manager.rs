@@ -864,7 +864,7 @@ fn first_repeat(hashes: &[u64], same: impl Fn(usize, usize) -> bool) -> Option<u
 }
 
 /// `(chunk, occurrences)` for each distinct chunk of `chunks`.
-fn multiplicities(chunks: &[ChunkId]) -> Vec<(ChunkId, u32)> {
+fn multiplicities(chunks: &[ChunkId]) -> Scratch<(ChunkId, u32)> {
     let spread: Scratch<u64> = chunks
         .iter()
         .map(|&c| u64::from(c).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32)
@@ -872,9 +872,9 @@ fn multiplicities(chunks: &[ChunkId]) -> Vec<(ChunkId, u32)> {
     if first_repeat(&spread, |a, b| chunks[a] == chunks[b]).is_none() {
         return chunks.iter().map(|&c| (c, 1)).collect();
     }
-    let mut sorted = chunks.to_vec();
+    let mut sorted: Scratch<ChunkId> = chunks.iter().copied().collect();
     sorted.sort_unstable();
-    let mut out: Vec<(ChunkId, u32)> = Vec::with_capacity(sorted.len());
+    let mut out: Scratch<(ChunkId, u32)> = SmallVec::new();
     for c in sorted {
         match out.last_mut() {
             Some((last, n)) if *last == c => *n += 1,
