@@ -107,7 +107,8 @@ impl ArcPolicy {
     fn unlink(&mut self, chunk: ChunkId) -> List {
         let i = chunk as usize;
         let (l, _) = self.list[i];
-        if l != List::None && self.evictable[i] {
+        if l != List::None {
+            // A member, or a pinned chunk held in place.
             self.evictable_map(l).remove(chunk);
         }
         match l {
@@ -235,12 +236,14 @@ impl CachePolicy for ArcPolicy {
     ) -> bool {
         let start = out.len();
         let mut from_t1: Vec<bool> = Vec::with_capacity(n);
-        {
+        // Held (pinned) entries the scans walk past; detached once the scans end.
+        let (mut held1, mut held2) = (Vec::new(), Vec::new());
+        let found = {
             let floor_target = self.target as usize;
             let mut virtual_t1 = self.t1_len;
-            let mut t1 = self.t1_evictable.iter();
-            let mut t2 = self.t2_evictable.iter();
-            for _ in 0..n {
+            let mut t1 = self.t1_evictable.iter(&mut held1);
+            let mut t2 = self.t2_evictable.iter(&mut held2);
+            (0..n).all(|_| {
                 let mut pick = None;
                 if virtual_t1 >= floor_target {
                     pick = next_victim(&mut t1, protected).map(|c| (c, true));
@@ -252,7 +255,6 @@ impl CachePolicy for ArcPolicy {
                     pick = next_victim(&mut t1, protected).map(|c| (c, true));
                 }
                 let Some((c, is_t1)) = pick else {
-                    out.truncate(start);
                     return false;
                 };
                 if is_t1 {
@@ -260,7 +262,18 @@ impl CachePolicy for ArcPolicy {
                 }
                 out.push(c);
                 from_t1.push(is_t1);
-            }
+                true
+            })
+        };
+        for &c in &held1 {
+            self.t1_evictable.remove(c);
+        }
+        for &c in &held2 {
+            self.t2_evictable.remove(c);
+        }
+        if !found {
+            out.truncate(start);
+            return false;
         }
         for (j, &c) in out[start..].iter().enumerate() {
             self.unlink(c);
@@ -299,7 +312,7 @@ impl CachePolicy for ArcPolicy {
         self.evictable[i] = true;
         let (l, seq) = self.list[i];
         if l != List::None {
-            self.evictable_map(l).insert(chunk, seq);
+            self.evictable_map(l).release(chunk, seq);
         }
     }
 
@@ -309,7 +322,7 @@ impl CachePolicy for ArcPolicy {
         self.evictable[i] = false;
         let (l, _) = self.list[i];
         if l != List::None {
-            self.evictable_map(l).remove(chunk);
+            self.evictable_map(l).hold(chunk);
         }
     }
 
@@ -345,6 +358,18 @@ impl CachePolicy for ArcPolicy {
                 List::T1 => t1 += 1,
                 List::T2 => t2 += 1,
                 List::None => {}
+            }
+            let c = i as ChunkId;
+            for (map, ml) in [
+                (&self.t1_evictable, List::T1),
+                (&self.t2_evictable, List::T2),
+            ] {
+                if let Some(k) = map.held_key_of(c) {
+                    ensure!(
+                        l == ml && k == seq && refs.raw(c) > 0,
+                        "arc: chunk {i} held in an order but not pinned there at its sequence"
+                    );
+                }
             }
             if ev {
                 let map = if l == List::T1 {

@@ -27,8 +27,10 @@ pub struct LruPolicy {
     /// Rank of each resident chunk, by chunk id.
     ranks: Vec<Rank>,
     resident: Vec<bool>,
-    /// The evictable chunks by rank.
+    /// The evictable chunks by rank (pinned ones held in place).
     order: EvictionOrder<Rank>,
+    /// Held entries an eviction scan walked past, detached when it ends.
+    held: Vec<ChunkId>,
     /// The next rank the counter issues.
     next_rank: u64,
 }
@@ -42,6 +44,7 @@ impl LruPolicy {
             ranks: Vec::new(),
             resident: Vec::new(),
             order: EvictionOrder::new(),
+            held: Vec::new(),
             next_rank: 0,
         }
     }
@@ -62,6 +65,9 @@ impl LruPolicy {
         if self.order.contains(chunk) {
             self.order.remove(chunk);
             self.order.insert(chunk, rank);
+        } else {
+            // A pinned chunk held at its old rank: detach it; `mark_evictable` re-inserts it.
+            self.order.remove(chunk);
         }
         self.ranks[chunk as usize] = rank;
     }
@@ -135,7 +141,8 @@ impl CachePolicy for LruPolicy {
         out: &mut Vec<ChunkId>,
     ) -> bool {
         let start = out.len();
-        let mut it = self.order.iter().peekable();
+        self.held.clear();
+        let mut it = self.order.iter(&mut self.held).peekable();
         let mut run: Vec<ChunkId> = Vec::new();
         'outer: while out.len() - start < n {
             let Some((rank, c)) = it.next() else { break };
@@ -163,6 +170,10 @@ impl CachePolicy for LruPolicy {
                 out.push(c);
             }
         }
+        drop(it);
+        for &c in &self.held {
+            self.order.remove(c);
+        }
         if out.len() - start < n {
             out.truncate(start);
             return false;
@@ -178,17 +189,18 @@ impl CachePolicy for LruPolicy {
         self.ranks.clear();
         self.resident.clear();
         self.order.clear();
+        self.held.clear();
         self.next_rank = 0;
     }
 
     fn mark_evictable(&mut self, chunk: ChunkId) {
         debug_assert!(self.resident[chunk as usize] && !self.order.contains(chunk));
-        self.order.insert(chunk, self.ranks[chunk as usize]);
+        self.order.release(chunk, self.ranks[chunk as usize]);
     }
 
     fn mark_non_evictable(&mut self, chunk: ChunkId) {
         debug_assert!(self.order.contains(chunk));
-        self.order.remove(chunk);
+        self.order.hold(chunk);
     }
 
     fn state(&self) -> PolicyState {
@@ -230,11 +242,18 @@ impl CachePolicy for LruPolicy {
             self.order.len()
         );
         for (i, &rank) in self.ranks.iter().enumerate() {
-            let key = self.order.key_of(i as ChunkId);
+            let c = i as ChunkId;
+            let key = self.order.key_of(c);
             ensure!(
                 key.is_none_or(|k| k == rank),
                 "lru: chunk {i} ordered under a stale rank"
             );
+            if let Some(k) = self.order.held_key_of(c) {
+                ensure!(
+                    self.resident[i] && refs.raw(c) > 0 && k == rank,
+                    "lru: chunk {i} held in the order but not pinned at its rank"
+                );
+            }
         }
         Ok(())
     }

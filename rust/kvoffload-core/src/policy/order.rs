@@ -5,8 +5,14 @@
 //! in O(1). So is an insertion right next to the previous one (a request's chunks ranked by
 //! token position arrive tail first, each just below the last). Any other insertion (a chunk whose old rank becomes evictable again,
 //! a token-position rank) goes to a B-tree instead, in O(log n). Both halves are sorted, and
-//! iteration merges them, so the order starts at the least key without walking past any chunk
-//! that is not a member (pinned and pending chunks are never members).
+//! iteration merges them, so the order starts at the least key.
+//!
+//! A member that stops being evictable (pinned by a load) is *held*: it keeps its place, so
+//! being pinned and released at the same key costs O(1) and touches no neighbour. Iteration
+//! skips held entries and reports them, and the caller detaches them after an eviction scan, so
+//! a scan walks past a held chunk at most once per pin: eviction costs amortised O(1) per victim
+//! whatever the number of pinned chunks. A held chunk released after being detached (or whose
+//! key changed meanwhile) is inserted anew.
 
 use crate::error::{ensure, Result};
 use crate::pool::ChunkId;
@@ -20,6 +26,10 @@ enum Place {
     Out,
     List,
     Tree,
+    /// Held (not a member) but still linked in the list, at its key.
+    ListHeld,
+    /// Held (not a member) but still in the tree, at its key.
+    TreeHeld,
 }
 
 /// An ordered set of chunks keyed by `(K, chunk)`; see the module docs.
@@ -35,6 +45,7 @@ pub(crate) struct EvictionOrder<K> {
     /// The list member inserted last (`NIL` when it left the list).
     finger: u32,
     tree: BTreeSet<(K, ChunkId)>,
+    /// Members (held entries excluded).
     len: usize,
 }
 
@@ -68,9 +79,11 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
         self.len
     }
 
-    /// Whether `c` is a member.
+    /// Whether `c` is a member (held entries are not).
     pub(crate) fn contains(&self, c: ChunkId) -> bool {
-        self.place.get(c as usize).is_some_and(|&p| p != Place::Out)
+        self.place
+            .get(c as usize)
+            .is_some_and(|&p| matches!(p, Place::List | Place::Tree))
     }
 
     /// The sort key of member `c`.
@@ -78,7 +91,15 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
         self.contains(c).then(|| self.key[c as usize])
     }
 
-    /// Add `c` with sort key `k` (`c` must not be a member).
+    /// The key `c` is held at, when it is held.
+    pub(crate) fn held_key_of(&self, c: ChunkId) -> Option<K> {
+        self.place
+            .get(c as usize)
+            .is_some_and(|&p| matches!(p, Place::ListHeld | Place::TreeHeld))
+            .then(|| self.key[c as usize])
+    }
+
+    /// Add `c` with sort key `k` (`c` must be neither a member nor held).
     pub(crate) fn insert(&mut self, c: ChunkId, k: K) {
         let i = c as usize;
         debug_assert_eq!(self.place[i], Place::Out);
@@ -130,15 +151,16 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
         self.finger = c;
     }
 
-    /// Drop `c` if it is a member.
+    /// Drop `c` if it is a member or held.
     pub(crate) fn remove(&mut self, c: ChunkId) {
         let i = c as usize;
-        match self.place.get(i).copied().unwrap_or(Place::Out) {
+        let place = self.place.get(i).copied().unwrap_or(Place::Out);
+        match place {
             Place::Out => return,
-            Place::Tree => {
+            Place::Tree | Place::TreeHeld => {
                 self.tree.remove(&(self.key[i], c));
             }
-            Place::List => {
+            Place::List | Place::ListHeld => {
                 if self.finger == c {
                     self.finger = NIL;
                 }
@@ -156,15 +178,48 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
             }
         }
         self.place[i] = Place::Out;
+        if matches!(place, Place::List | Place::Tree) {
+            self.len -= 1;
+        }
+    }
+
+    /// Member `c` stops being one but keeps its place (see the module docs).
+    pub(crate) fn hold(&mut self, c: ChunkId) {
+        let p = &mut self.place[c as usize];
+        *p = match *p {
+            Place::List => Place::ListHeld,
+            Place::Tree => Place::TreeHeld,
+            other => {
+                debug_assert!(false, "hold of a non-member");
+                other
+            }
+        };
         self.len -= 1;
     }
 
-    /// Members in ascending `(key, chunk)` order.
-    pub(crate) fn iter(&self) -> Iter<'_, K> {
+    /// Make `c` a member again with sort key `k`: in O(1) if it is still held at `k`.
+    pub(crate) fn release(&mut self, c: ChunkId, k: K) {
+        let i = c as usize;
+        match self.place[i] {
+            Place::ListHeld if self.key[i] == k => self.place[i] = Place::List,
+            Place::TreeHeld if self.key[i] == k => self.place[i] = Place::Tree,
+            _ => {
+                self.remove(c);
+                self.insert(c, k);
+                return;
+            }
+        }
+        self.len += 1;
+    }
+
+    /// Members in ascending `(key, chunk)` order. Held entries met on the way are appended to
+    /// `held`; pass them to [`remove`](Self::remove) once the scan is over.
+    pub(crate) fn iter<'a>(&'a self, held: &'a mut Vec<ChunkId>) -> Iter<'a, K> {
         Iter {
             order: self,
             list: self.head,
             tree: self.tree.iter().peekable(),
+            held,
         }
     }
 
@@ -183,13 +238,13 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
 
     /// Check the list is sorted and linked both ways, and the counts add up.
     pub(crate) fn validate(&self) -> Result<()> {
-        let mut n = 0;
+        let (mut n, mut linked) = (0, 0);
         let mut prev = NIL;
         let mut c = self.head;
         while c != NIL {
             let i = c as usize;
             ensure!(
-                self.place[i] == Place::List,
+                matches!(self.place[i], Place::List | Place::ListHeld),
                 "order: chunk {c} linked but not in the list"
             );
             ensure!(self.prev[i] == prev, "order: chunk {c} back link broken");
@@ -199,8 +254,12 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
                     "order: list not ascending at chunk {c}"
                 );
             }
-            n += 1;
-            ensure!(n <= self.len, "order: list longer than its count (cycle?)");
+            n += usize::from(self.place[i] == Place::List);
+            linked += 1;
+            ensure!(
+                linked <= self.place.len(),
+                "order: list longer than the chunk count (cycle?)"
+            );
             prev = c;
             c = self.next[i];
         }
@@ -208,15 +267,19 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
         for &(k, c) in &self.tree {
             let i = c as usize;
             ensure!(
-                self.place[i] == Place::Tree && self.key[i] == k,
+                matches!(self.place[i], Place::Tree | Place::TreeHeld) && self.key[i] == k,
                 "order: stale tree entry for chunk {c}"
             );
+            n += usize::from(self.place[i] == Place::Tree);
         }
+        ensure!(n == self.len, "order: member count drifted");
+        let in_place = |p: Place| self.place.iter().filter(|&&q| q == p).count();
         ensure!(
-            n + self.tree.len() == self.len,
-            "order: member count drifted"
+            in_place(Place::ListHeld) + in_place(Place::List) == linked
+                && in_place(Place::TreeHeld) + in_place(Place::Tree) == self.tree.len(),
+            "order: a chunk is marked linked but is not, or the reverse"
         );
-        let members = self.place.iter().filter(|&&p| p != Place::Out).count();
+        let members = in_place(Place::List) + in_place(Place::Tree);
         ensure!(
             members == self.len,
             "order: {members} chunks marked, count says {}",
@@ -226,17 +289,17 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
     }
 }
 
-/// Merge of the list and the tree, ascending.
+/// Merge of the list and the tree, ascending, skipping (and reporting) held entries.
 pub(crate) struct Iter<'a, K> {
     order: &'a EvictionOrder<K>,
     list: u32,
     tree: Peekable<std::collections::btree_set::Iter<'a, (K, ChunkId)>>,
+    held: &'a mut Vec<ChunkId>,
 }
 
-impl<K: Ord + Copy> Iterator for Iter<'_, K> {
-    type Item = (K, ChunkId);
-
-    fn next(&mut self) -> Option<(K, ChunkId)> {
+impl<K: Ord + Copy> Iter<'_, K> {
+    /// The next entry of the merge, held or not.
+    fn next_entry(&mut self) -> Option<(K, ChunkId)> {
         let from_list = (self.list != NIL).then(|| (self.order.key[self.list as usize], self.list));
         match (from_list, self.tree.peek()) {
             (Some(l), Some(&&t)) if t < l => {
@@ -256,6 +319,20 @@ impl<K: Ord + Copy> Iterator for Iter<'_, K> {
     }
 }
 
+impl<K: Ord + Copy> Iterator for Iter<'_, K> {
+    type Item = (K, ChunkId);
+
+    fn next(&mut self) -> Option<(K, ChunkId)> {
+        loop {
+            let (k, c) = self.next_entry()?;
+            if matches!(self.order.place[c as usize], Place::List | Place::Tree) {
+                return Some((k, c));
+            }
+            self.held.push(c);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,7 +347,7 @@ mod tests {
         o.insert(3, 30);
         o.insert(4, 15); // tree
         o.validate().unwrap();
-        let order: Vec<ChunkId> = o.iter().map(|(_, c)| c).collect();
+        let order: Vec<ChunkId> = o.iter(&mut Vec::new()).map(|(_, c)| c).collect();
         assert_eq!(order, vec![2, 0, 4, 1, 3]);
         o.remove(1);
         o.remove(2);
@@ -278,7 +355,7 @@ mod tests {
         o.insert(5, 16); // above the new tail (15 is in the tree; list tail is 10)
         o.validate().unwrap();
         assert_eq!(
-            o.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            o.iter(&mut Vec::new()).map(|(k, _)| k).collect::<Vec<_>>(),
             vec![10, 15, 16]
         );
         assert_eq!(o.len(), 3);
@@ -299,16 +376,51 @@ mod tests {
         o.insert(5, (2, -40)); // between 2 and 3: not next to the finger (4)
         o.validate().unwrap();
         assert_eq!(
-            o.iter().map(|(_, c)| c).collect::<Vec<_>>(),
+            o.iter(&mut Vec::new()).map(|(_, c)| c).collect::<Vec<_>>(),
             vec![0, 3, 5, 2, 1, 4]
         );
         o.remove(4);
         o.insert(6, (2, -20)); // finger gone: below the tail, so the tree
         o.validate().unwrap();
         assert_eq!(
-            o.iter().map(|(_, c)| c).collect::<Vec<_>>(),
+            o.iter(&mut Vec::new()).map(|(_, c)| c).collect::<Vec<_>>(),
             vec![0, 3, 5, 2, 6, 1]
         );
+    }
+
+    #[test]
+    fn held_entries_keep_their_place_and_are_detached_by_a_scan() {
+        let mut o: EvictionOrder<u64> = EvictionOrder::new();
+        o.grow(4);
+        for c in 0..4 {
+            o.insert(c, u64::from(c) * 10);
+        }
+        o.hold(0);
+        o.hold(2);
+        assert_eq!(
+            (o.len(), o.contains(0), o.held_key_of(0)),
+            (2, false, Some(0))
+        );
+        o.validate().unwrap();
+        o.release(2, 20); // same key: back in place, no re-insert
+        assert_eq!(o.held_key_of(2), None);
+        o.validate().unwrap();
+        let mut held = Vec::new();
+        let seen: Vec<ChunkId> = o.iter(&mut held).map(|(_, c)| c).collect();
+        assert_eq!((seen, held.clone()), (vec![1, 2, 3], vec![0]));
+        for c in held {
+            o.remove(c);
+        }
+        assert_eq!(o.held_key_of(0), None);
+        o.validate().unwrap();
+        o.release(0, 25); // detached meanwhile: inserted anew at its new key
+        o.hold(3);
+        o.release(3, 5); // held under another key: moved
+        assert_eq!(
+            o.iter(&mut Vec::new()).collect::<Vec<_>>(),
+            vec![(5, 3), (10, 1), (20, 2), (25, 0)]
+        );
+        o.validate().unwrap();
     }
 
     #[test]
@@ -318,9 +430,12 @@ mod tests {
         o.insert(2, (1, -4));
         o.insert(0, (1, -4));
         o.insert(1, (1, -4));
-        assert_eq!(o.iter().map(|(_, c)| c).collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert_eq!(
+            o.iter(&mut Vec::new()).map(|(_, c)| c).collect::<Vec<_>>(),
+            vec![0, 1, 2]
+        );
         o.validate().unwrap();
         o.clear();
-        assert_eq!(o.iter().count(), 0);
+        assert_eq!(o.iter(&mut Vec::new()).count(), 0);
     }
 }
