@@ -349,6 +349,28 @@ def test_store_evicts_exactly_the_shortfall(make_manager: MakeManager) -> None:
     m.check_invariants()
 
 
+class _Key(bytes):
+    """A bytes subclass, so that identity and type of returned keys can be told apart."""
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_evicted_keys_are_the_stored_objects(make_manager: MakeManager, policy: str) -> None:
+    # vLLM's policy keeps the stored key objects as dict keys and evicts those very objects.
+    m = make_manager(2, cache_policy=policy)
+    ctx = ReqContext(req_id="")
+    stored = [_Key(key) for key in ks(1, 2)]
+    m.complete_store(m.prepare_store(stored, ctx).keys_to_store, ctx)
+    # Equal keys offered again as plain bytes change nothing about which object is kept.
+    m.prepare_store(ks(1, 2), ctx)
+    out = m.prepare_store(ks(3, 4), ReqContext(req_id="other"))
+    assert sorted(out.evicted_keys) == ks(1, 2)
+    assert {id(key) for key in out.evicted_keys} == {id(key) for key in stored}
+    m.complete_store(out.keys_to_store, ctx, success=False)  # the failed store drops 3 and 4
+    out = m.prepare_store(ks(5, 6), ctx)
+    assert out.evicted_keys == []
+    m.check_invariants()
+
+
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_store_eviction_failure_changes_no_chunk(make_manager: MakeManager, policy: str) -> None:
     m = make_manager(2, cache_policy=policy, enable_events=True)

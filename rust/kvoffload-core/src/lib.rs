@@ -13,6 +13,7 @@
 
 pub mod admission;
 pub mod error;
+pub mod index;
 pub mod key;
 pub mod manager;
 pub mod policy;

@@ -7,12 +7,12 @@
 
 use crate::admission::AdmissionTracker;
 use crate::error::{ensure, show_key, CoreError, Result};
+use crate::index::{prefetch, KeyIndex};
 use crate::key::{group_of, hash_key, KeyBuf, KeySlot};
 use crate::policy::{Access, ArcPolicy, CachePolicy, FinishedKey, LruPolicy, PolicyState};
 use crate::pool::{ChunkId, ChunkPool};
 use crate::refcount::{ChunkState, RefCountTable};
 use crate::request::{RequestState, INSERTED, REPORTED, REUSED};
-use hashbrown::HashTable;
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -76,6 +76,8 @@ pub struct StoreOutcome {
     pub chunks: Vec<ChunkId>,
     /// Keys evicted to make room, in eviction order.
     pub evicted: Vec<KeyBuf>,
+    /// The chunks they held, lined up with `evicted` (now free, or reused by `chunks`).
+    pub evicted_chunks: Vec<ChunkId>,
 }
 
 /// Raw counters behind `get_stats`.
@@ -110,7 +112,7 @@ pub struct Manager {
     /// Key, hash and residency of each chunk slot (the hash spares the index rehashing keys).
     slots: Vec<KeySlot>,
     /// Chunk of each resident key, by key hash.
-    index: HashTable<ChunkId>,
+    index: KeyIndex,
     policy: Box<dyn CachePolicy>,
     tracker: Option<AdmissionTracker>,
     events: Option<Vec<Event>>,
@@ -140,7 +142,7 @@ impl Manager {
             pool: ChunkPool::new(n),
             refs: RefCountTable::new(n),
             slots: Vec::new(),
-            index: HashTable::new(),
+            index: KeyIndex::new(),
             policy,
             tracker: (config.store_threshold >= 2)
                 .then(|| AdmissionTracker::new(config.store_threshold, config.max_tracker_size)),
@@ -170,9 +172,33 @@ impl Manager {
 
     fn find(&self, key: &[u8], hash: u64) -> Option<ChunkId> {
         let slots = &self.slots;
-        self.index
-            .find(hash, |&c| slots[c as usize].key.as_slice() == key)
-            .copied()
+        self.index.find(hash, |c| {
+            let s = &slots[c as usize];
+            s.hash == hash && s.key.as_slice() == key
+        })
+    }
+
+    /// The chunk of each key, resolved with the cache misses of the batch overlapped: every
+    /// key's bucket is prefetched first, then every candidate chunk's key and policy data.
+    fn resolve(&self, keys: &[&[u8]], hashes: &[u64]) -> Scratch<Option<ChunkId>> {
+        if keys.len() > 1 {
+            for &h in hashes {
+                self.index.prefetch(h);
+            }
+            for &h in hashes {
+                if let Some(c) = self.index.candidate(h) {
+                    if let Some(slot) = self.slots.get(c as usize) {
+                        prefetch(slot);
+                    }
+                    self.refs.prefetch(c);
+                    self.policy.prefetch(c);
+                }
+            }
+        }
+        keys.iter()
+            .zip(hashes)
+            .map(|(k, &h)| self.find(k, h))
+            .collect()
     }
 
     fn chunk_of(&self, key: &[u8]) -> Option<ChunkId> {
@@ -196,10 +222,25 @@ impl Manager {
     }
 
     /// The number of leading keys that are HIT.
-    pub fn lookup_prefix<'k>(&self, keys: impl IntoIterator<Item = &'k [u8]>) -> usize {
-        keys.into_iter()
-            .take_while(|k| self.lookup(k) == Lookup::Hit)
-            .count()
+    #[must_use]
+    pub fn lookup_prefix(&self, keys: &[&[u8]]) -> usize {
+        let mut hits = 0;
+        // Batches of 32: the misses of a batch overlap, and a miss early on ends the work.
+        for batch in keys.chunks(32) {
+            let hashes: Scratch<u64> = batch.iter().map(|k| hash_key(k)).collect();
+            let found = self.resolve(batch, &hashes);
+            let n = found
+                .iter()
+                .take_while(|c| {
+                    c.is_some_and(|c| matches!(self.refs.state(c), ChunkState::Ready(_)))
+                })
+                .count();
+            hits += n;
+            if n < batch.len() {
+                break;
+            }
+        }
+        hits
     }
 
     // --- loads ---
@@ -213,9 +254,10 @@ impl Manager {
     ) -> Result<Vec<ChunkId>> {
         check_positions(keys, positions)?;
         let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
+        let found = self.resolve(keys, &hashes);
         let mut chunks = Vec::with_capacity(keys.len());
-        for (k, &h) in keys.iter().zip(&hashes) {
-            let Some(c) = self.find(k, h) else {
+        for (k, &c) in keys.iter().zip(&found) {
+            let Some(c) = c else {
                 return Err(CoreError::KeyState(format!(
                     "cannot load {}: not in the cache",
                     show_key(k)
@@ -248,11 +290,11 @@ impl Manager {
 
     /// Release one pin per key; a chunk whose count reaches 0 is evictable again.
     pub fn complete_load(&mut self, keys: &[&[u8]]) -> Result<()> {
-        let mut chunks = Vec::with_capacity(keys.len());
-        for k in keys {
-            let pinned = self
-                .chunk_of(k)
-                .filter(|&c| matches!(self.refs.state(c), ChunkState::Ready(n) if n > 0));
+        let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
+        let found = self.resolve(keys, &hashes);
+        let mut chunks: Scratch<ChunkId> = SmallVec::with_capacity(keys.len());
+        for (k, &c) in keys.iter().zip(&found) {
+            let pinned = c.filter(|&c| matches!(self.refs.state(c), ChunkState::Ready(n) if n > 0));
             let Some(c) = pinned else {
                 return Err(CoreError::KeyState(format!(
                     "cannot complete a load of {}: it is not being loaded",
@@ -281,16 +323,17 @@ impl Manager {
 
     /// Forward a touch to the policy (absent keys included: ARC learns from ghosts).
     pub fn touch(&mut self, keys: &[&[u8]]) {
+        let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
+        let found = self.resolve(keys, &hashes);
         let access: Scratch<Access<'_>> = keys
             .iter()
-            .map(|&key| {
-                let hash = hash_key(key);
-                Access {
-                    key,
-                    hash,
-                    chunk: self.find(key, hash),
-                    position: None,
-                }
+            .zip(&hashes)
+            .zip(&found)
+            .map(|((&key, &hash), &chunk)| Access {
+                key,
+                hash,
+                chunk,
+                position: None,
             })
             .collect();
         self.policy.touch(&access, &self.refs);
@@ -309,10 +352,11 @@ impl Manager {
         check_positions(keys, positions)?;
         let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
         check_distinct(keys, &hashes)?;
+        let found = self.resolve(keys, &hashes);
         let status: Scratch<Offered> = keys
             .iter()
-            .zip(&hashes)
-            .map(|(k, &h)| match self.find(k, h) {
+            .zip(&found)
+            .map(|(k, &c)| match c {
                 None => Offered::Absent {
                     admitted: self.tracker.as_ref().is_none_or(|t| t.would_admit(k)),
                 },
@@ -390,16 +434,20 @@ impl Manager {
             to_store: candidates.to_vec(),
             chunks,
             evicted,
+            evicted_chunks: victims,
         }))
     }
 
     /// Finish stores: pending keys become ready (`success`) or are dropped (failure). Other keys
-    /// are ignored. At most one event is queued.
-    pub fn complete_store(&mut self, keys: &[&[u8]], success: bool) {
+    /// are ignored. At most one event is queued. Returns the chunks freed (failure only).
+    pub fn complete_store(&mut self, keys: &[&[u8]], success: bool) -> Vec<ChunkId> {
+        let mut freed = Vec::new();
         let mut done: Vec<KeyBuf> = Vec::new();
         let keep = self.events.is_some();
-        for k in keys {
-            let Some(c) = self.chunk_of(k) else { continue };
+        let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
+        let found = self.resolve(keys, &hashes);
+        for (k, &c) in keys.iter().zip(&found) {
+            let Some(c) = c else { continue };
             if self.refs.state(c) != ChunkState::Pending {
                 continue;
             }
@@ -417,6 +465,7 @@ impl Manager {
                     done.push(key);
                 }
                 self.pool.free(c);
+                freed.push(c);
             }
         }
         if let (Some(events), false) = (&mut self.events, done.is_empty()) {
@@ -426,6 +475,7 @@ impl Manager {
                 metadata_only: !success,
             });
         }
+        freed
     }
 
     // --- requests ---
@@ -593,6 +643,14 @@ impl Manager {
             "manager: index holds {} keys for {n} resident chunks",
             self.index.len()
         );
+        self.index.validate()?;
+        for (tag, c) in self.index.entries() {
+            let slot = self.slots.get(c as usize);
+            ensure!(
+                slot.is_some_and(|s| s.resident && s.hash as u32 == tag),
+                "manager: index entry for chunk {c} does not match its slot"
+            );
+        }
         ensure!(
             self.pool.num_used() == n,
             "manager: pool lends {} chunks, {n} resident",
@@ -634,6 +692,13 @@ impl Manager {
     /// Drop chosen victims, free their chunks (in order) and queue one removal event.
     fn evict_chunks(&mut self, victims: &[ChunkId]) -> Vec<KeyBuf> {
         let mut evicted = Vec::with_capacity(victims.len());
+        // The victims' keys, then their index buckets: the misses overlap.
+        for &c in victims {
+            prefetch(&self.slots[c as usize]);
+        }
+        for &c in victims {
+            self.index.prefetch(self.slots[c as usize].hash);
+        }
         for &c in victims {
             self.refs.remove(c);
             evicted.push(self.unindex(c));
@@ -689,9 +754,7 @@ impl Manager {
         slot.key = KeyBuf::from_slice(key);
         slot.hash = hash;
         slot.resident = true;
-        let slots = &self.slots;
-        self.index
-            .insert_unique(hash, c, |&o| slots[o as usize].hash);
+        self.index.insert(hash, c);
     }
 
     /// Remove chunk `c`'s key from the index; returns the key.
@@ -700,9 +763,7 @@ impl Manager {
         let slot = &mut self.slots[i];
         let key = std::mem::take(&mut slot.key);
         slot.resident = false;
-        if let Ok(entry) = self.index.find_entry(slot.hash, |&o| o == c) {
-            entry.remove();
-        }
+        self.index.remove(slot.hash, c);
         key
     }
 

@@ -59,6 +59,14 @@ impl RefCountTable {
         }
     }
 
+    /// Start loading the count of `id` into the cache; changes nothing.
+    #[inline]
+    pub fn prefetch(&self, id: ChunkId) {
+        if let Some(x) = self.counts.get(id as usize) {
+            crate::index::prefetch(x);
+        }
+    }
+
     /// Raw ref count of a present slot (`-1` pending, `n >= 0` ready).
     #[inline]
     #[must_use]

@@ -14,17 +14,62 @@ use std::sync::{Mutex, MutexGuard};
 /// A poisoned lock (only after a panic, which this crate does not raise).
 struct Poisoned;
 
+/// The manager and the Python key object each resident chunk was stored under.
+///
+/// Evictions hand back the very objects that were stored (as vLLM does, whose policy keeps
+/// them as dict keys), without building new `bytes`. `keys[c]` is `Some` exactly while chunk
+/// `c` is resident. Objects leaving the table are moved out under the lock and released only
+/// after it (a decref may run Python code).
+struct Core {
+    manager: Manager,
+    keys: Vec<Option<Py<PyBytes>>>,
+}
+
+impl Core {
+    /// Forget the key objects of `chunks`; the caller drops them once the lock is released.
+    fn take_keys(&mut self, chunks: &[core::ChunkId]) -> Vec<Option<Py<PyBytes>>> {
+        chunks
+            .iter()
+            .map(|&c| self.keys.get_mut(c as usize).and_then(Option::take))
+            .collect()
+    }
+
+    /// Remember `obj` as the key object of chunk `c`. Returns what the slot held before
+    /// (nothing, by the invariant) for the caller to drop after the lock.
+    fn put_key(&mut self, c: core::ChunkId, obj: Py<PyBytes>) -> Option<Py<PyBytes>> {
+        let i = c as usize;
+        if i >= self.keys.len() {
+            self.keys.resize_with(i + 1, || None);
+        }
+        self.keys[i].replace(obj)
+    }
+}
+
+impl std::ops::Deref for Core {
+    type Target = Manager;
+
+    fn deref(&self) -> &Manager {
+        &self.manager
+    }
+}
+
+impl std::ops::DerefMut for Core {
+    fn deref_mut(&mut self) -> &mut Manager {
+        &mut self.manager
+    }
+}
+
 /// The Rust manager; `kvoffload.CPUOffloadingManager` adapts it to vLLM's API.
 #[pyclass(frozen, module = "kvoffload._native")]
 pub(crate) struct ManagerCore {
-    inner: Mutex<Manager>,
+    inner: Mutex<Core>,
     /// Whether the policy reads token positions during calls (LRU does; ARC only at finish).
     reads_positions: bool,
 }
 
 impl ManagerCore {
     /// The manager, locked. A poisoned lock's guard is dropped before the Python error is made.
-    fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, Manager>> {
+    fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, Core>> {
         self.inner
             .lock()
             .map_err(|_| Poisoned)
@@ -36,7 +81,7 @@ impl ManagerCore {
     fn with_state<R>(
         &self,
         state: &RequestState,
-        f: impl FnOnce(&mut Manager, &mut core::RequestState) -> R,
+        f: impl FnOnce(&mut Core, &mut core::RequestState) -> R,
     ) -> Result<R, Poisoned> {
         let mut m = self.inner.lock().map_err(|_| Poisoned)?;
         let mut s = state.inner.lock().map_err(|_| Poisoned)?;
@@ -219,7 +264,10 @@ impl ManagerCore {
         };
         let inner = Manager::new(&config).map_err(|e| to_py(py, e))?;
         Ok(Self {
-            inner: Mutex::new(inner),
+            inner: Mutex::new(Core {
+                manager: inner,
+                keys: Vec::new(),
+            }),
             reads_positions: policy == PolicyKind::Lru,
         })
     }
@@ -244,7 +292,7 @@ impl ManagerCore {
     fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
-        Ok(self.lock(py)?.lookup_prefix(slices.iter().copied()))
+        Ok(self.lock(py)?.lookup_prefix(&slices))
     }
 
     /// Pin keys for loading; returns a `CPULoadStoreSpec` of their chunk ids.
@@ -299,18 +347,37 @@ impl ManagerCore {
         let positions = self.positions(&ctx, &keys)?;
         let (state, fresh) = self.request_state(py, &ctx)?;
         let slices = keys.slices();
-        let outcome = self
+        let (outcome, evicted_objs) = self
             .with_state(state.get(), |m, s| {
-                m.prepare_store(&slices, positions.as_deref(), s)
+                let outcome = m.prepare_store(&slices, positions.as_deref(), s);
+                let mut objs = Vec::new();
+                if let Ok(Some(out)) = &outcome {
+                    objs = m.take_keys(&out.evicted_chunks);
+                    for (&i, &c) in out.to_store.iter().zip(&out.chunks) {
+                        objs.push(m.put_key(c, keys.objs[i].clone().unbind()));
+                    }
+                }
+                (outcome, objs)
             })
-            .map_err(|Poisoned| poisoned(py))?
-            .map_err(|e| to_py(py, e))?;
+            .map_err(|Poisoned| poisoned(py))?;
+        let outcome = outcome.map_err(|e| to_py(py, e))?;
         if fresh {
             ctx.set_state(state.as_any())?;
         }
         let Some(out) = outcome else { return Ok(None) };
         let to_store = PyList::new(py, out.to_store.iter().map(|&i| &keys.objs[i]))?;
-        let evicted = PyList::new(py, out.evicted.iter().map(|k| PyBytes::new(py, k)))?;
+        // The stored objects of the victims; a fresh `bytes` only if one is missing.
+        let evicted = PyList::new(
+            py,
+            out.evicted
+                .iter()
+                .zip(&evicted_objs)
+                .map(|(k, obj)| match obj {
+                    Some(obj) => obj.bind(py).clone(),
+                    None => PyBytes::new(py, k),
+                }),
+        )?;
+        drop(evicted_objs);
         let types = result_types(py)?;
         let output = build(
             types.prepare_store_output.bind(py),
@@ -332,7 +399,12 @@ impl ManagerCore {
     ) -> PyResult<()> {
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
-        self.lock(py)?.complete_store(&slices, success);
+        let dropped = {
+            let mut m = self.lock(py)?;
+            let freed = m.complete_store(&slices, success);
+            m.take_keys(&freed)
+        };
+        drop(dropped);
         Ok(())
     }
 
@@ -371,7 +443,12 @@ impl ManagerCore {
 
     /// Drop every chunk and the policy state.
     fn reset_cache(&self, py: Python<'_>) -> PyResult<()> {
-        self.lock(py)?.reset_cache();
+        let dropped = {
+            let mut m = self.lock(py)?;
+            m.reset_cache();
+            std::mem::take(&mut m.keys)
+        };
+        drop(dropped);
         Ok(())
     }
 

@@ -213,6 +213,13 @@ impl CachePolicy for ArcPolicy {
         }
     }
 
+    fn prefetch(&self, chunk: ChunkId) {
+        // Which order holds the chunk is itself behind a miss: fetch the list entry only.
+        if let Some(x) = self.list.get(chunk as usize) {
+            crate::index::prefetch(x);
+        }
+    }
+
     fn on_request_access(&mut self, _keys: &[Access<'_>], _rank: &mut RequestRank) {}
 
     fn on_request_finished(&mut self, keys: &[FinishedKey<'_>]) {

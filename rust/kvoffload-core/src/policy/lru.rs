@@ -112,6 +112,13 @@ impl CachePolicy for LruPolicy {
 
     fn on_store_miss(&mut self, _keys: &[Access<'_>]) {}
 
+    fn prefetch(&self, chunk: ChunkId) {
+        if let Some(r) = self.ranks.get(chunk as usize) {
+            crate::index::prefetch(r);
+        }
+        self.order.prefetch(chunk);
+    }
+
     fn on_request_access(&mut self, keys: &[Access<'_>], rank: &mut RequestRank) {
         let request_rank = self.request_rank(rank);
         for a in keys {

@@ -108,6 +108,9 @@ pub trait CachePolicy: Send {
     fn state(&self) -> PolicyState;
     /// Check the policy's structures against the resident chunks and their ref counts.
     fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()>;
+    /// Start loading the policy's data of `chunk` into the cache (a batch about to use it);
+    /// changes nothing. `chunk` may be any id, even one never inserted.
+    fn prefetch(&self, _chunk: ChunkId) {}
     /// Set ARC's target size (tests only); `false` for policies without one.
     fn set_target(&mut self, _target: f64) -> bool {
         false

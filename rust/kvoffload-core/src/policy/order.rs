@@ -91,6 +91,17 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
         self.contains(c).then(|| self.key[c as usize])
     }
 
+    /// Start loading `c`'s entry into the cache; changes nothing.
+    pub(crate) fn prefetch(&self, c: ChunkId) {
+        let i = c as usize;
+        if i < self.place.len() {
+            crate::index::prefetch(&self.place[i]);
+            crate::index::prefetch(&self.key[i]);
+            crate::index::prefetch(&self.next[i]);
+            crate::index::prefetch(&self.prev[i]);
+        }
+    }
+
     /// The key `c` is held at, when it is held.
     pub(crate) fn held_key_of(&self, c: ChunkId) -> Option<K> {
         self.place

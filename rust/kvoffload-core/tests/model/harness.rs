@@ -420,7 +420,7 @@ impl Harness {
             Op::LookupPrefix(picks) => {
                 let keys: Vec<Key> = picks.iter().map(|&i| self.key(i)).collect();
                 assert_eq!(
-                    self.mgr.lookup_prefix(refs(&keys)),
+                    self.mgr.lookup_prefix(&refs(&keys)),
                     self.model.lookup_prefix(&keys)
                 );
             }
@@ -461,8 +461,12 @@ impl Harness {
                 success,
             } => {
                 let keys = self.take_stores(*whole_job, picks);
-                self.mgr.complete_store(&refs(&keys), *success);
-                self.model.complete_store(&keys, *success);
+                let freed = self.mgr.complete_store(&refs(&keys), *success);
+                assert_eq!(
+                    freed,
+                    self.model.complete_store(&keys, *success),
+                    "freed chunks"
+                );
             }
             Op::Finish { req, renew } => {
                 let slot = self.slot(*req);

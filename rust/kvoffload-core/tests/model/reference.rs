@@ -390,6 +390,7 @@ impl Model {
         // 8: make room.
         let free = self.free.len() + (self.num_chunks - self.fresh) as usize;
         let mut evicted = Vec::new();
+        let mut evicted_chunks = Vec::new();
         if candidates.len() > free {
             let shortfall = candidates.len() - free;
             if shortfall > self.chunks.iter().filter(|c| c.refs == 0).count() {
@@ -404,6 +405,7 @@ impl Model {
                 let c = self.chunks.remove(i);
                 self.free.push(c.id);
                 evicted.push(buf(v));
+                evicted_chunks.push(c.id);
             }
             if self.events_on {
                 self.events.push(Event {
@@ -424,11 +426,14 @@ impl Model {
             to_store: candidates,
             chunks: ids,
             evicted,
+            evicted_chunks,
         }))
     }
 
-    pub(crate) fn complete_store(&mut self, keys: &[Key], success: bool) {
+    /// SPEC `complete_store`; returns the chunks freed by a failure.
+    pub(crate) fn complete_store(&mut self, keys: &[Key], success: bool) -> Vec<u32> {
         let mut done = Vec::new();
+        let mut freed = Vec::new();
         for k in keys {
             let Some(i) = self.find(k) else { continue };
             if self.chunks[i].refs != -1 {
@@ -440,6 +445,7 @@ impl Model {
                 let c = self.chunks.remove(i);
                 self.remove(k);
                 self.free.push(c.id);
+                freed.push(c.id);
             }
             done.push(buf(k));
         }
@@ -450,6 +456,7 @@ impl Model {
                 metadata_only: !success,
             });
         }
+        freed
     }
 
     /// SPEC `on_request_finished`; `position` is read from the request context now.

@@ -87,7 +87,7 @@ impl Twin {
         let ks = keys(ns);
         let refs: Vec<&[u8]> = ks.iter().map(Vec::as_slice).collect();
         self.mgr.complete_store(&refs, success);
-        self.model.complete_store(&ks, success);
+        let _ = self.model.complete_store(&ks, success);
         self.mgr.validate().unwrap();
     }
 
