@@ -87,7 +87,12 @@ class Config:
 
     @classmethod
     def draw(
-        cls, ch: Chooser, policy: str | None = None, threshold: int | None = None, big: bool = True
+        cls,
+        ch: Chooser,
+        policy: str | None = None,
+        threshold: int | None = None,
+        big: bool = True,
+        policies: Sequence[str] = ("lru", "arc"),
     ) -> Config:
         """A random configuration; ``big`` allows caches up to 64 chunks."""
         if big and ch.chance(0.25):
@@ -99,7 +104,7 @@ class Config:
         tiny_tracker = not ch.chance(0.4)
         return cls(
             num_chunks=num_chunks,
-            policy=policy if policy is not None else ch.pick(("lru", "arc")),
+            policy=policy if policy is not None else ch.pick(tuple(policies)),
             store_threshold=threshold if threshold is not None else ch.int(1, 3),
             max_tracker_size=ch.int(1, 4) if tiny_tracker else ch.pick((8, 64_000)),
             enable_events=not ch.chance(0.1),

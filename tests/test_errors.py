@@ -323,13 +323,14 @@ def test_tracker_size_only_checked_with_tracker(
 
 def test_unknown_policy(make_manager: MakeManager) -> None:
     with pytest.raises(UnsupportedPolicyError) as info:
-        make_manager(4, cache_policy="fifo")
+        make_manager(4, cache_policy="mru")
     assert isinstance(info.value, InvalidArgumentError)
     assert isinstance(info.value, ValueError)
     assert isinstance(info.value, KVOffloadError)
     message = str(info.value)
     assert "lru" in message
     assert "arc" in message
+    assert "sieve" in message
 
 
 def test_exception_tree() -> None:

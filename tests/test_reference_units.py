@@ -615,7 +615,7 @@ def test_policy_resolution() -> None:
     m = CPUOffloadingManager(4, cache_policy="arc", cache_policy_module_path="no.such.module")
     assert m.policy_state()["policy"] == "arc"
     with pytest.raises(ValueError, match="lru"):
-        CPUOffloadingManager(4, cache_policy="fifo")
+        CPUOffloadingManager(4, cache_policy="mru")
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ sys.path.append(str(ROOT / "python"))  # an installed kvoffload wins over the so
 from tqdm import tqdm  # noqa: E402
 
 import _driver  # noqa: E402  (tests/ is not a package)
+from kvoffload._common import BUILTIN_POLICIES  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sequences", type=int, default=100, help="sequences per configuration")
     parser.add_argument("--calls", type=int, default=1000, help="calls per sequence")
-    parser.add_argument("--policies", nargs="+", default=["lru", "arc"], choices=["lru", "arc"])
+    parser.add_argument(
+        "--policies", nargs="+", default=["lru", "arc"], choices=list(BUILTIN_POLICIES)
+    )
     parser.add_argument("--thresholds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--seed", type=int, default=0, help="first seed; sequence i uses seed+i")
     parser.add_argument(

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from kvoffload.reference.admission import AdmissionTracker
 from kvoffload.reference.arc import ArcPolicy
+from kvoffload.reference.fifo import FifoPolicy
 from kvoffload.reference.lru import LruPolicy
 from kvoffload.reference.manager import ChunkPool, CPUOffloadingManager
 from kvoffload.reference.policy import CachePolicy, ChunkStatus, RequestContext
+from kvoffload.reference.sieve import SievePolicy
 
 __all__ = [
     "AdmissionTracker",
@@ -19,6 +21,8 @@ __all__ = [
     "CachePolicy",
     "ChunkPool",
     "ChunkStatus",
+    "FifoPolicy",
     "LruPolicy",
     "RequestContext",
+    "SievePolicy",
 ]

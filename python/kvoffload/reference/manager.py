@@ -36,6 +36,7 @@ from kvoffload.errors import (
 )
 from kvoffload.reference.admission import AdmissionTracker
 from kvoffload.reference.arc import ArcPolicy
+from kvoffload.reference.fifo import FifoPolicy
 from kvoffload.reference.lru import LruPolicy
 from kvoffload.reference.policy import (
     CachePolicy,
@@ -45,6 +46,7 @@ from kvoffload.reference.policy import (
     require,
     sorted_by_position,
 )
+from kvoffload.reference.sieve import SievePolicy
 from kvoffload.types import (
     CacheHitSource,
     CPULoadStoreSpec,
@@ -59,6 +61,15 @@ from kvoffload.types import (
 )
 
 __all__ = ["CPUOffloadingManager", "ChunkPool"]
+
+
+#: The built-in policies by name (kvoffload._common.BUILTIN_POLICIES lists the same names).
+_BUILTIN: dict[str, type[CachePolicy]] = {
+    "lru": LruPolicy,
+    "arc": ArcPolicy,
+    "fifo": FifoPolicy,
+    "sieve": SievePolicy,
+}
 
 
 class ChunkPool:
@@ -156,10 +167,8 @@ class CPUOffloadingManager:
         self.num_chunks = num_chunks
         self._builtin_policy = isinstance(resolved, str)
         self._policy: CachePolicy
-        if resolved == "lru":
-            self._policy = LruPolicy(cache_capacity=num_chunks)
-        elif resolved == "arc":
-            self._policy = ArcPolicy(cache_capacity=num_chunks)
+        if isinstance(resolved, str):
+            self._policy = _BUILTIN[resolved](cache_capacity=num_chunks)
         else:
             assert isinstance(resolved, type)
             self._policy = resolved(cache_capacity=num_chunks)
@@ -369,6 +378,13 @@ class CPUOffloadingManager:
         if shortfall > 0:
             if shortfall > self._num_evictable:
                 return None
+            # Fewer ready, unprotected chunks than needed: no policy could evict enough.
+            protected_ready = 0
+            for key in offered:
+                status = self._policy.get(key)
+                protected_ready += status is not None and status.ref_cnt == 0
+            if shortfall > self._num_evictable - protected_ready:
+                return None
             victims = self._policy.evict(shortfall, offered)
             if victims is None:
                 return None
@@ -481,8 +497,9 @@ class CPUOffloadingManager:
     def policy_state(self) -> dict[str, Any]:
         """LRU ranks, ARC lists and target, or just the class name of an out-of-tree policy."""
         policy = self._policy
-        if self._builtin_policy and isinstance(policy, (LruPolicy, ArcPolicy)):
-            return policy.state()
+        if self._builtin_policy and isinstance(policy, tuple(_BUILTIN.values())):
+            state: dict[str, Any] = policy.state()  # type: ignore[attr-defined]
+            return state
         return {"policy": type(policy).__name__}
 
     def resident(self) -> dict[bytes, tuple[int, int]]:

@@ -59,10 +59,7 @@ impl Op {
 }
 
 fn policy_name(policy: PolicyKind) -> &'static str {
-    match policy {
-        PolicyKind::Lru => "lru",
-        PolicyKind::Arc => "arc",
-    }
+    policy.name()
 }
 
 /// The clock of the timed code: this thread's CPU time on 64-bit Linux.
@@ -211,7 +208,7 @@ impl Results {
             "ratio"
         );
         for op in Op::ALL {
-            for policy in [PolicyKind::Lru, PolicyKind::Arc] {
+            for (_, policy) in PolicyKind::ALL {
                 let row: Vec<Option<f64>> =
                     sizes.iter().map(|&s| self.get(op, policy, s)).collect();
                 if row.iter().all(Option::is_none) {
@@ -250,7 +247,7 @@ fn main() {
         &SIZES[..1]
     };
     let mut results = Results::default();
-    for policy in [PolicyKind::Lru, PolicyKind::Arc] {
+    for (_, policy) in PolicyKind::ALL {
         for &size in sizes {
             let mut w = Workload::new(policy, size);
             for op in Op::ALL {

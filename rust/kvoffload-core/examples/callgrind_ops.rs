@@ -1,6 +1,6 @@
 //! Runs each operation of the `manager` bench a fixed number of times on one cache, for stable
 //! instruction counts under callgrind, and prints each operation's heap allocations per key.
-//! Usage: `callgrind_ops <lru|arc> <num_chunks> <batches>`.
+//! Usage: `callgrind_ops <lru|arc|fifo|sieve> <num_chunks> <batches>`.
 //!
 //! ```text
 //! cargo build --release -p kvoffload-core --example callgrind_ops
@@ -62,13 +62,9 @@ fn counted<T>(name: &str, keys: usize, op: impl FnOnce() -> T) -> T {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let usage = "usage: callgrind_ops <lru|arc> <num_chunks> <batches>";
+    let usage = "usage: callgrind_ops <lru|arc|fifo|sieve> <num_chunks> <batches>";
     assert!(args.len() == 4, "{usage}");
-    let policy = match args[1].as_str() {
-        "lru" => PolicyKind::Lru,
-        "arc" => PolicyKind::Arc,
-        _ => panic!("{usage}"),
-    };
+    let policy = PolicyKind::from_name(&args[1]).expect(usage);
     let size: u32 = args[2].parse().expect(usage);
     let batches: usize = args[3].parse().expect(usage);
     let n = batches * BATCH;

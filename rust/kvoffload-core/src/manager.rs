@@ -9,7 +9,9 @@ use crate::admission::AdmissionTracker;
 use crate::error::{ensure, show_key, CoreError, Result};
 use crate::index::{prefetch, KeyIndex};
 use crate::key::{group_of, hash_key, KeyBuf, KeySlot};
-use crate::policy::{Access, ArcPolicy, CachePolicy, FinishedKey, LruPolicy, PolicyState};
+use crate::policy::{
+    Access, ArcPolicy, CachePolicy, FifoPolicy, FinishedKey, LruPolicy, PolicyState, SievePolicy,
+};
 use crate::pool::{ChunkId, ChunkPool};
 use crate::refcount::{ChunkState, RefCountTable};
 use crate::request::{RequestState, INSERTED, REPORTED, REUSED};
@@ -28,6 +30,35 @@ pub enum PolicyKind {
     Lru,
     /// Adaptive replacement cache.
     Arc,
+    /// First in, first out.
+    Fifo,
+    /// SIEVE: a FIFO queue with visited bits and a sweeping hand.
+    Sieve,
+}
+
+impl PolicyKind {
+    /// Every built-in policy, by name.
+    pub const ALL: [(&'static str, PolicyKind); 4] = [
+        ("lru", PolicyKind::Lru),
+        ("arc", PolicyKind::Arc),
+        ("fifo", PolicyKind::Fifo),
+        ("sieve", PolicyKind::Sieve),
+    ];
+
+    /// The policy called `name`, if built in.
+    #[must_use]
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.iter().find(|(n, _)| *n == name).map(|&(_, k)| k)
+    }
+
+    /// Its name.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|&&(_, k)| k == self)
+            .map_or("?", |&(n, _)| n)
+    }
 }
 
 /// Construction parameters of a [`Manager`].
@@ -135,6 +166,8 @@ impl Manager {
         let policy: Box<dyn CachePolicy> = match config.policy {
             PolicyKind::Lru => Box::new(LruPolicy::new(n)),
             PolicyKind::Arc => Box::new(ArcPolicy::new(n)),
+            PolicyKind::Fifo => Box::new(FifoPolicy::new()),
+            PolicyKind::Sieve => Box::new(SievePolicy::new()),
         };
         Ok(Self {
             id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
@@ -673,10 +706,17 @@ impl Manager {
         }
         self.protect_stamp += 1;
         let stamp = self.protect_stamp;
+        let mut protected_ready = 0;
         for s in status {
             if let Offered::Pending(c) | Offered::Readable(c) = *s {
                 self.protect[c as usize] = stamp;
+                protected_ready += usize::from(self.refs.raw(c) == 0);
             }
+        }
+        // Fewer ready, unprotected chunks than needed: no policy could evict enough. (Offered
+        // keys are distinct, so each protected chunk is counted once.)
+        if shortfall > self.refs.num_evictable() - protected_ready {
+            return None;
         }
         let protect = &self.protect;
         self.policy

@@ -63,6 +63,8 @@ impl std::ops::DerefMut for Core {
 #[pyclass(frozen, module = "kvoffload._native")]
 pub(crate) struct ManagerCore {
     inner: Mutex<Core>,
+    /// The built-in policy's name.
+    policy: &'static str,
     /// Whether the policy reads token positions during calls (LRU does; ARC only at finish).
     reads_positions: bool,
 }
@@ -244,16 +246,12 @@ impl ManagerCore {
         } else {
             0
         };
-        let policy = match policy {
-            "lru" => PolicyKind::Lru,
-            "arc" => PolicyKind::Arc,
-            other => {
-                return Err(raise(
-                    py,
-                    "UnsupportedPolicyError",
-                    format!("no built-in policy {other:?}"),
-                ))
-            }
+        let Some(policy) = PolicyKind::from_name(policy) else {
+            return Err(raise(
+                py,
+                "UnsupportedPolicyError",
+                format!("no built-in policy {policy:?}"),
+            ));
         };
         let config = ManagerConfig {
             num_chunks,
@@ -268,6 +266,7 @@ impl ManagerCore {
                 manager: inner,
                 keys: Vec::new(),
             }),
+            policy: policy.name(),
             reads_positions: policy == PolicyKind::Lru,
         })
     }
@@ -535,6 +534,15 @@ impl ManagerCore {
                 PolicyState::Arc { t1, t2, .. } => {
                     vec![t1.iter().map(key).collect(), t2.iter().map(key).collect()]
                 }
+                PolicyState::Queue {
+                    queue,
+                    parked,
+                    hand,
+                } => vec![
+                    queue.iter().map(|(c, _)| key(c)).collect(),
+                    parked.iter().map(|(c, _)| key(c)).collect(),
+                    hand.iter().map(key).collect(),
+                ],
             };
             (state, keys)
         };
@@ -559,6 +567,23 @@ impl ManagerCore {
                 d.set_item("b1", ghosts(&b1)?)?;
                 d.set_item("b2", ghosts(&b2)?)?;
                 d.set_item("target_t1_size", target)?;
+            }
+            PolicyState::Queue { queue, parked, .. } => {
+                let entries = |cs: &[(core::ChunkId, bool)], ks: &[Vec<u8>]| {
+                    PyList::new(
+                        py,
+                        cs.iter()
+                            .zip(ks)
+                            .map(|((_, visited), k)| (PyBytes::new(py, k), *visited)),
+                    )
+                };
+                d.set_item("policy", self.policy)?;
+                d.set_item("queue", entries(&queue, &keys[0])?)?;
+                // Parked entries in key order, so that any implementation lists them alike.
+                let parked = entries(&parked, &keys[1])?;
+                parked.sort()?;
+                d.set_item("parked", parked)?;
+                d.set_item("hand", keys[2].first().map(|k| PyBytes::new(py, k)))?;
             }
         }
         Ok(d)

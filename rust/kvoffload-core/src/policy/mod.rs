@@ -6,11 +6,15 @@
 //! and a policy only ever evicts chunks it was told are evictable and not protected.
 
 mod arc;
+mod fifo;
 mod lru;
 mod order;
+mod sieve;
 
 pub use arc::ArcPolicy;
+pub use fifo::FifoPolicy;
 pub use lru::LruPolicy;
+pub use sieve::SievePolicy;
 
 use crate::error::Result;
 use crate::key::{KeyBuf, KeySlot};
@@ -68,6 +72,15 @@ pub enum PolicyState {
         b2: Vec<KeyBuf>,
         /// The adaptive target size of T1.
         target: f64,
+    },
+    /// FIFO and SIEVE: the queue, oldest first, with each entry's visited bit.
+    Queue {
+        /// `(chunk, visited)`, oldest first.
+        queue: Vec<(ChunkId, bool)>,
+        /// `(chunk, visited)` of entries out of the queue until they are ready (SIEVE), by id.
+        parked: Vec<(ChunkId, bool)>,
+        /// The entry the SIEVE hand examines next (`None`: the oldest).
+        hand: Option<ChunkId>,
     },
 }
 

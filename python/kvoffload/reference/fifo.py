@@ -1,0 +1,78 @@
+"""FIFO: keys leave in the order they were stored; hits change nothing.
+
+A pinned or pending key is skipped by eviction and keeps its place, so it leaves once it is
+ready again and every older key has gone (the one deviation pinning forces).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence, Set
+from typing import Any
+
+from kvoffload.reference.policy import CachePolicy, ChunkStatus, RequestContext
+
+__all__ = ["FifoPolicy"]
+
+
+class FifoPolicy(CachePolicy):
+    """First in, first out (``"fifo"``)."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.entries: dict[bytes, ChunkStatus] = {}  # insertion order, oldest first
+
+    def get(self, key: bytes) -> ChunkStatus | None:
+        """Return the status of a resident key, or None."""
+        return self.entries.get(key)
+
+    def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
+        """Append a new key at the newest end."""
+        self.entries[key] = status
+
+    def remove(self, key: bytes) -> None:
+        """Drop a failed store."""
+        del self.entries[key]
+
+    def touch(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
+        """Hits do not reorder a FIFO."""
+
+    def on_store_miss(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
+        """Nothing (the base class would touch)."""
+
+    def on_request_finished(
+        self,
+        groups: Sequence[Sequence[bytes]],
+        inserted_only: Set[bytes],
+        reused: Set[bytes],
+        req_context: RequestContext,
+    ) -> None:
+        """Nothing (the base class would touch)."""
+
+    def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
+        """The ``n`` oldest ready, unprotected keys, or None if there are fewer."""
+        victims: list[bytes] = []
+        for key, status in self.entries.items():
+            if len(victims) == n:
+                break
+            if status.is_ready and key not in protected:
+                victims.append(key)
+        if len(victims) < n:
+            return None
+        return [(key, self.entries.pop(key)) for key in victims]
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self.entries.clear()
+
+    def items(self) -> Iterator[tuple[bytes, ChunkStatus]]:
+        """Every resident key with its status, oldest first."""
+        return iter(list(self.entries.items()))
+
+    def state(self) -> dict[str, Any]:
+        """The queue oldest first as ``(key, visited)`` (never visited), as SIEVE reports it."""
+        return {
+            "policy": "fifo",
+            "queue": [(key, False) for key in self.entries],
+            "parked": [],
+            "hand": None,
+        }
