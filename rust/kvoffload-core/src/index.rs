@@ -222,16 +222,23 @@ impl KeyIndex {
 
 /// Hint the CPU to bring `x`'s cache line in; a no-op where there is no prefetch instruction.
 #[inline]
-pub(crate) fn prefetch<T>(x: &T) {
+pub fn prefetch<T>(x: &T) {
+    prefetch_addr(std::ptr::from_ref(x).cast());
+}
+
+/// Hint the CPU to bring the cache line of address `p` in. Any address is fine: a prefetch
+/// never faults and never reads memory into the program, so `p` need not be valid.
+#[inline]
+pub fn prefetch_addr(p: *const u8) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // SAFETY: a prefetch only hints the cache and never faults; `x` is a valid reference
-        // anyway, and SSE (which provides the instruction) is part of the x86_64 baseline.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(x).cast::<i8>()) };
+        // SAFETY: a prefetch only hints the cache: it never faults, whatever the address, and
+        // SSE (which provides the instruction) is part of the x86_64 baseline.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>()) };
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = x;
+    let _ = p;
 }
 
 #[cfg(test)]

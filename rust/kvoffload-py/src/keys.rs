@@ -30,6 +30,7 @@ impl<'py> Keys<'py> {
             }
         };
         if let Ok(list) = obj.cast::<PyList>() {
+            prefetch_items(list);
             for item in list.iter() {
                 push(item)?;
             }
@@ -57,6 +58,32 @@ impl<'py> Keys<'py> {
     /// The key bytes, lined up with the objects.
     pub(crate) fn slices(&self) -> Vec<&[u8]> {
         self.objs.iter().map(PyBytesMethods::as_bytes).collect()
+    }
+}
+
+/// Start loading every item of `list` (its header and first bytes) into the cache, so that the
+/// cache misses on a batch of key objects overlap instead of queueing.
+fn prefetch_items(list: &Bound<'_, PyList>) {
+    if list.len() < 2 {
+        return;
+    }
+    for i in 0..list.len() {
+        let Ok(i) = pyo3::ffi::Py_ssize_t::try_from(i) else {
+            return;
+        };
+        // SAFETY: `list` is a live list and `i` is below its length, so `PyList_GetItem`
+        // returns a borrowed pointer to a live object (or null, with an error we clear); the
+        // pointer is only handed to a prefetch, which never dereferences it.
+        let item = unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i) };
+        if item.is_null() {
+            // SAFETY: the GIL is held (we have a `Bound`); this drops the error just raised.
+            unsafe { pyo3::ffi::PyErr_Clear() };
+            return;
+        }
+        // The object header and the next line (a `bytes` object's data starts 32 bytes in).
+        let p = item.cast::<u8>().cast_const();
+        kvoffload_core::index::prefetch_addr(p);
+        kvoffload_core::index::prefetch_addr(p.wrapping_add(64));
     }
 }
 

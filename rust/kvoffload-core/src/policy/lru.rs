@@ -103,6 +103,11 @@ impl CachePolicy for LruPolicy {
     }
 
     fn touch(&mut self, keys: &[Access<'_>], _refs: &RefCountTable) {
+        for a in keys {
+            if let Some(c) = a.chunk {
+                self.order.prefetch_neighbours(c);
+            }
+        }
         for a in keys.iter().rev() {
             if let Some(c) = a.chunk {
                 self.refresh(c);

@@ -102,6 +102,20 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
         }
     }
 
+    /// Start loading the links that removing `c` from the list rewrites (its neighbours').
+    pub(crate) fn prefetch_neighbours(&self, c: ChunkId) {
+        let i = c as usize;
+        if i < self.place.len() && matches!(self.place[i], Place::List | Place::ListHeld) {
+            let (p, n) = (self.prev[i], self.next[i]);
+            if p != NIL {
+                crate::index::prefetch(&self.next[p as usize]);
+            }
+            if n != NIL {
+                crate::index::prefetch(&self.prev[n as usize]);
+            }
+        }
+    }
+
     /// The key `c` is held at, when it is held.
     pub(crate) fn held_key_of(&self, c: ChunkId) -> Option<K> {
         self.place
