@@ -1,0 +1,1 @@
+"""kvoffload.sim: trace-driven evaluation of cache policies and sizes through the real manager."""
