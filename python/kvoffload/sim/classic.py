@@ -23,12 +23,12 @@ from kvoffload.sim.results import SimResult
 from kvoffload.sim.traces import ObjectTrace
 from kvoffload.types import LookupResult, ReqContext, make_offload_key
 
-__all__ = ["simulate_classic"]
+__all__ = ["run_classic"]
 
 _PROGRESS_EVERY = 10_000
 
 
-def simulate_classic(
+def run_classic(
     trace: ObjectTrace | Sequence[int],
     config: SimConfig | None = None,
     *,

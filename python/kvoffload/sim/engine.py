@@ -38,7 +38,7 @@ from kvoffload.sim.results import SIM_CALL_KINDS, SimResult
 from kvoffload.types import LookupResult, ReqContext
 from kvoffload.workload import KindStats, timer_overhead_ns
 
-__all__ = ["SimConfig", "make_manager", "simulate"]
+__all__ = ["IMPLEMENTATIONS", "SimConfig", "make_manager", "run_serving"]
 
 #: Implementations by name ("module:Class" also accepted), as in ``kvoffload bench``.
 IMPLEMENTATIONS: dict[str, str] = {
@@ -111,7 +111,7 @@ class _Req:
 _ARRIVE, _LOAD_DONE, _STORE_DONE, _PREFILL_DONE, _DECODE_DONE, _RETRY = range(6)
 
 
-def simulate(
+def run_serving(
     requests: Sequence[SimRequest],
     config: SimConfig | None = None,
     *,
