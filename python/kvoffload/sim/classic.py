@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,14 +35,19 @@ def run_classic(
     *,
     workload: str = "trace",
     progress: Callable[[int], object] | None = None,
+    manager: Any = None,
 ) -> SimResult:
-    """Replay an object trace in classic mode (see the module docstring)."""
+    """Replay an object trace in classic mode (see the module docstring).
+
+    ``manager`` replaces the fresh manager ``config`` would build (its policy and size rule).
+    """
     cfg = config or SimConfig()
     cfg.validate()
     if not isinstance(trace, ObjectTrace):
         trace = ObjectTrace.from_ids(np.asarray(trace, dtype=np.uint64))
     ids: list[int] = trace.obj_ids.tolist()
-    manager = make_manager(cfg)
+    if manager is None:
+        manager = make_manager(cfg)
     res = SimResult(
         mode="classic",
         workload=workload,

@@ -135,21 +135,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.libcachesim and isinstance(workload, ObjectTrace):
         lcs_runs = _libcachesim(workload, sizes, policies)
     if lcs_runs:
-        print("\nlibCacheSim on the same trace (request miss ratio; requests/s):\n")
-        for run in lcs_runs:
-            ours = next(
-                r for r in results if (r.policy, r.num_chunks) == (run.policy, run.num_objects)
-            )
-            same = (
-                "same"
-                if ours.hit_chunks == round((1 - run.miss_ratio) * run.requests)
-                else "DIFFERENT"
-            )
-            print(
-                f"  {run.policy:>4} {run.num_objects:>8,}: libCacheSim {run.miss_ratio:.5f} "
-                f"kvoffload {ours.miss_ratio:.5f} ({same}); {run.requests_per_s:,.0f} vs "
-                f"{ours.requests_per_s:,.0f} req/s"
-            )
+        print("\n" + _format_libcachesim(lcs_runs, results))
     print("\n" + speed)
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(
@@ -170,6 +156,24 @@ def _run(args: argparse.Namespace) -> int:
         written += plot_curves(results, args.out / "sim", title)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _format_libcachesim(
+    runs: list[libcachesim_ref.LibCacheSimRun], results: list[SimResult]
+) -> str:
+    lines = ["libCacheSim 0.3.5 on the same trace (request miss ratio, requests/s):", ""]
+    for run in runs:
+        ours = next(r for r in results if (r.policy, r.num_chunks) == (run.policy, run.num_objects))
+        misses = round(run.miss_ratio * run.requests)
+        verdict = "same" if ours.requests - ours.hit_chunks == misses else "differs"
+        if verdict == "differs" and run.policy == "arc":
+            verdict += ": vLLM's ARC is not libCacheSim's, see docs/sim.md"
+        lines.append(
+            f"  {run.policy} at {run.num_objects:,}: libCacheSim {run.miss_ratio:.5f}, "
+            f"kvoffload {ours.miss_ratio:.5f} ({verdict}); "
+            f"{run.requests_per_s:,.0f} vs {ours.requests_per_s:,.0f} requests/s"
+        )
+    return "\n".join(lines)
 
 
 def _speed_lines(results: list[SimResult]) -> str:

@@ -117,11 +117,17 @@ def run_serving(
     *,
     workload: str = "custom",
     progress: Callable[[int], object] | None = None,
+    manager: Any = None,
 ) -> SimResult:
-    """Replay ``requests`` through a fresh manager built from ``config``; see the module doc."""
+    """Replay ``requests`` through a fresh manager built from ``config``; see the module doc.
+
+    ``manager`` replaces the fresh manager (its own policy and size rule); ``progress`` is called
+    with 1 per finished request.
+    """
     cfg = config or SimConfig()
     cfg.validate()
-    manager = make_manager(cfg)
+    if manager is None:
+        manager = make_manager(cfg)
     rng = random.Random(cfg.seed)
     bt = cfg.block_tokens
     calls = {kind: KindStats() for kind in SIM_CALL_KINDS}

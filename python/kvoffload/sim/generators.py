@@ -92,6 +92,7 @@ def chat(cfg: GeneratorConfig) -> list[SimRequest]:
                 cfg.kv_groups,
             )
         )
+    out.sort(key=lambda r: r.arrival)
     return out
 
 
