@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from kvoffload.sim import ObjectTrace, SimConfig, simulate, write_object_trace
+from kvoffload.sim import ObjectTrace, SimConfig, simulate, write_object_trace, zipf_object_trace
 from kvoffload.sim import policies as sim_policies
 
 SIZES = (25, 100, 250, 600)
@@ -23,11 +22,10 @@ PLUGIN = "kvoffload.sim.policies"
 
 @pytest.fixture(scope="module")
 def zipf_trace() -> ObjectTrace:
-    rng = np.random.default_rng(2024)
-    objects = 2000
-    weights = 1.0 / np.arange(1, objects + 1) ** 0.8
-    ids = rng.choice(objects, size=12_000, p=weights / weights.sum()) + 1
-    return ObjectTrace.from_ids(ids)
+    trace = zipf_object_trace(12_000, 2000, alpha=0.8, seed=2024)
+    # Seeded: the same arguments give the same trace.
+    assert trace.obj_ids.tolist() == zipf_object_trace(12_000, 2000, 0.8, 2024).obj_ids.tolist()
+    return trace
 
 
 @pytest.fixture(scope="module")

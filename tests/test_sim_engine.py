@@ -9,7 +9,6 @@ import pytest
 
 from kvoffload.sim import (
     GeneratorConfig,
-    ObjectTrace,
     SimConfig,
     SimResult,
     format_comparison,
@@ -18,6 +17,7 @@ from kvoffload.sim import (
     miss_ratio_curve,
     simulate,
     working_set,
+    zipf_object_trace,
 )
 from kvoffload.sim.engine import make_manager, run_serving
 from kvoffload.sim.model import SimRequest
@@ -121,18 +121,10 @@ def test_miss_ratio_curve_is_sane() -> None:
 
 def test_lru_classic_curve_is_monotonic_in_parallel() -> None:
     # LRU is a stack algorithm: a bigger cache never misses more. Two processes.
-    trace = ObjectTrace.from_ids(_zipf_ids(4000, 500, seed=7))
+    trace = zipf_object_trace(4000, 500, alpha=0.9, seed=7)
     sizes = [10, 40, 80, 160, 320]
     results = miss_ratio_curve(trace, sizes, ("lru",), jobs=2)
     curve = [r.miss_ratio for r in results]
     assert curve == sorted(curve, reverse=True)
     serial = miss_ratio_curve(trace, sizes, ("lru",), jobs=1)
     assert [r.hit_chunks for r in serial] == [r.hit_chunks for r in results]
-
-
-def _zipf_ids(n: int, objects: int, seed: int) -> list[int]:
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    weights = 1.0 / np.arange(1, objects + 1) ** 0.9
-    return (rng.choice(objects, size=n, p=weights / weights.sum()) + 1).tolist()

@@ -23,6 +23,7 @@ from kvoffload.sim.traces import (
     read_object_trace,
     write_jsonl,
     write_object_trace,
+    zipf_object_trace,
 )
 
 __all__ = [
@@ -47,4 +48,5 @@ __all__ = [
     "write_json",
     "write_jsonl",
     "write_object_trace",
+    "zipf_object_trace",
 ]

@@ -18,7 +18,13 @@ from kvoffload.sim.engine import SimConfig, run_serving
 from kvoffload.sim.generators import GENERATORS, GeneratorConfig, generate_workload
 from kvoffload.sim.model import DEFAULT_BLOCK_TOKENS, SimRequest
 from kvoffload.sim.results import SimResult
-from kvoffload.sim.traces import CsvColumns, ObjectTrace, detect_format, read_jsonl
+from kvoffload.sim.traces import (
+    CsvColumns,
+    ObjectTrace,
+    detect_format,
+    read_jsonl,
+    zipf_object_trace,
+)
 from kvoffload.sim.traces import read_object_trace as _read_object_trace
 
 __all__ = ["Workload", "load_workload", "miss_ratio_curve", "simulate", "working_set"]
@@ -34,7 +40,14 @@ def load_workload(
     generator: GeneratorConfig | None = None,
     csv_columns: CsvColumns | None = None,
 ) -> Workload:
-    """Generate (chat, rag, agent, zipf) or read a trace (jsonl, txt, csv, oracleGeneral)."""
+    """Generate (chat, rag, agent, zipf) or read a trace (jsonl, txt, csv, oracleGeneral).
+
+    ``zipf-objects`` is a seeded Zipf object trace for classic mode (`zipf_object_trace`):
+    ``generator.requests`` requests over a tenth as many objects, exponent ``generator.alpha``.
+    """
+    if spec == "zipf-objects" and fmt is None:
+        g = generator or GeneratorConfig()
+        return zipf_object_trace(g.requests, max(1, g.requests // 10), g.alpha, g.seed)
     if isinstance(spec, str) and spec in GENERATORS and fmt is None:
         return generate_workload(spec, generator)
     fmt = fmt or detect_format(spec)

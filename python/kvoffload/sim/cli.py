@@ -42,7 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the options of ``kvoffload sim``."""
     sim, gen = SimConfig(), GeneratorConfig()
     add = parser.add_argument
-    add("--workload", default="chat", help=f"{', '.join(GENERATORS)} or a trace path (chat)")
+    add(
+        "--workload",
+        default="chat",
+        help=f"{', '.join(GENERATORS)}, zipf-objects (classic) or a trace path (chat)",
+    )
     add("--format", choices=("jsonl", "txt", "csv", "oracleGeneral"), help="trace format")
     add("--policies", default="lru,arc", help="comma-separated cache policies (lru,arc)")
     add("--impl", default=sim.impl, help="rust, reference or module:Class (rust)")

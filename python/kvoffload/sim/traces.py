@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.errors import TraceFormatError
+from kvoffload.errors import InvalidArgumentError, TraceFormatError
 from kvoffload.sim.model import SimRequest
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "read_object_trace",
     "write_jsonl",
     "write_object_trace",
+    "zipf_object_trace",
 ]
 
 #: One oracleGeneral record (packed, little-endian, 24 bytes).
@@ -48,9 +49,9 @@ OBJECT_FORMATS = ("txt", "csv", "oracleGeneral")
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ObjectTrace:
-    """An object trace: one request per element (classic cache experiments)."""
+    """An object trace: one request per element (classic cache experiments); compared by id."""
 
     times: npt.NDArray[np.uint64]
     obj_ids: npt.NDArray[np.uint64]
@@ -70,6 +71,18 @@ class ObjectTrace:
     def num_objects(self) -> int:
         """Distinct object ids."""
         return len(np.unique(self.obj_ids))
+
+
+def zipf_object_trace(
+    requests: int, objects: int, alpha: float = 0.8, seed: int = 0
+) -> ObjectTrace:
+    """A seeded object trace: ids 1..objects drawn with probability proportional to rank^-alpha."""
+    if requests < 0 or objects < 1:
+        raise InvalidArgumentError("a Zipf trace needs requests >= 0 and objects >= 1")
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, objects + 1, dtype=np.float64) ** alpha
+    ids = rng.choice(objects, size=requests, p=weights / weights.sum()) + 1
+    return ObjectTrace.from_ids(ids)
 
 
 @dataclass(frozen=True)
