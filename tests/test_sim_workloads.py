@@ -165,6 +165,13 @@ def test_oracle_general_layout(tmp_path: Path) -> None:
     assert trace.sizes.tolist() == [4096, 1]
 
 
+def test_oracle_general_skips_zero_size_records(tmp_path: Path) -> None:
+    # As libCacheSim's reader does (ignore_size_zero_req): a size-0 record is not a request.
+    path = tmp_path / "x.oracleGeneral"
+    path.write_bytes(struct.pack("<IQIq", 1, 5, 0, -1) + struct.pack("<IQIq", 2, 6, 1, -1))
+    assert read_object_trace(path).obj_ids.tolist() == [6]
+
+
 def test_csv_columns_and_header(tmp_path: Path) -> None:
     path = tmp_path / "t.csv"
     path.write_text("id;ts\n10;1\n11;2\n10;3\n")

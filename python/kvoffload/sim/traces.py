@@ -8,7 +8,8 @@
   ``txt`` (one numeric object id per line, libCacheSim's plain-text trace), ``csv`` (columns chosen
   1-based, as libCacheSim's ``time-col``/``obj-id-col``/``obj-size-col``), and ``oracleGeneral``
   (binary little-endian records of ``uint32 time, uint64 obj_id, uint32 size, int64
-  next_access_vtime``, 24 bytes, as in libCacheSim's ``oracleGeneralBin.h``; not zstd-compressed).
+  next_access_vtime``, 24 bytes, as in libCacheSim's ``oracleGeneralBin.h``; not zstd-compressed;
+  records of size 0 are skipped, as libCacheSim's reader skips them).
 
 Malformed input raises `kvoffload.TraceFormatError` naming the file and line (or record).
 """
@@ -249,6 +250,8 @@ def _read_oracle_general(path: Path) -> ObjectTrace:
             f"(record {len(data) // ORACLE_GENERAL_DTYPE.itemsize} is cut short)"
         )
     rec = np.frombuffer(data, dtype=ORACLE_GENERAL_DTYPE)
+    # libCacheSim's reader skips zero-size requests (ignore_size_zero_req); so does this one.
+    rec = rec[rec["size"] != 0]
     return ObjectTrace(
         rec["time"].astype(np.uint64), rec["obj_id"].copy(), rec["size"].astype(np.uint64)
     )
