@@ -182,7 +182,6 @@ def run_serving(
 
     waiting: deque[_Req] = deque()
     running = 0
-    finished = 0
 
     def admit(r: _Req, now: float) -> None:
         prompt = r.keys.prompt
@@ -263,7 +262,6 @@ def run_serving(
                 offer(r, r.keys.output, now)
                 timed("on_request_finished", 0, manager.on_request_finished, r.ctx)
                 running -= 1
-                finished += 1
                 if progress is not None:
                     progress(1)
                 start_next(now)
