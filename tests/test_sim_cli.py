@@ -55,3 +55,20 @@ def test_sim_bad_trace_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFi
     bad.write_text("1\nfoo\n")
     assert main(["sim", "--workload", str(bad), "--out", str(tmp_path), "--no-progress"]) == 2
     assert "bad.txt:2: object id must be an integer" in capsys.readouterr().err
+
+
+def test_sim_zipf_objects_classic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["sim", "--workload", "zipf-objects", "--requests", "3000", "--sizes", "10,100"]
+    assert main([*args, "--jobs", "1", "--out", str(tmp_path), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "3,000 requests" in text
+    assert "classic" in text
+    assert json.loads((tmp_path / "sim.json").read_text())["mode"] == "classic"
+
+
+def test_simulate_takes_a_generator_name() -> None:
+    from kvoffload.sim import simulate
+
+    res = simulate("zipf-objects", num_chunks=50)
+    assert res.mode == "classic"
+    assert res.workload == "zipf-objects"

@@ -23,12 +23,25 @@ import platform
 from kvoffload.sim import (
     GeneratorConfig,
     SimConfig,
+    SimResult,
+    Workload,
     generate_workload,
     simulate,
     working_set,
     zipf_object_trace,
 )
 from kvoffload.sim.libcachesim_ref import available, run_libcachesim
+
+
+def best_of(workload: Workload, cfg: SimConfig, repeat: int) -> SimResult:
+    """The fastest of ``repeat`` identical runs."""
+    return min((simulate(workload, cfg) for _ in range(repeat)), key=lambda r: r.wall_s)
+
+
+def row(label: str, r: SimResult) -> tuple[str, str, str, float, float, float]:
+    """One table row of a kvoffload run."""
+    size = f"{r.num_chunks:,}"
+    return (label, r.policy, size, r.miss_ratio, r.requests_per_s, r.chunk_ops_per_s)
 
 
 def main() -> None:
@@ -45,23 +58,8 @@ def main() -> None:
     for policy in ("lru", "arc"):
         for size in sizes:
             for impl in args.impls.split(","):
-                best = min(
-                    (
-                        simulate(trace, SimConfig(num_chunks=size, policy=policy, impl=impl))
-                        for _ in range(args.repeat)
-                    ),
-                    key=lambda r: r.wall_s,
-                )
-                rows.append(
-                    (
-                        f"kvoffload classic ({impl})",
-                        policy,
-                        f"{size:,}",
-                        best.miss_ratio,
-                        best.requests_per_s,
-                        best.chunk_ops_per_s,
-                    )
-                )
+                cfg = SimConfig(num_chunks=size, policy=policy, impl=impl)
+                rows.append(row(f"kvoffload classic ({impl})", best_of(trace, cfg, args.repeat)))
             if available():
                 runs = [run_libcachesim(trace, [size], [policy])[0] for _ in range(args.repeat)]
                 run = min(runs, key=lambda r: r.wall_s)
@@ -81,23 +79,8 @@ def main() -> None:
     size = working_set(chat) // 8
     for impl in args.impls.split(","):
         for policy in ("lru", "arc"):
-            best = min(
-                (
-                    simulate(chat, SimConfig(num_chunks=size, policy=policy, impl=impl))
-                    for _ in range(args.repeat)
-                ),
-                key=lambda r: r.wall_s,
-            )
-            rows.append(
-                (
-                    f"kvoffload serving, chat ({impl})",
-                    policy,
-                    f"{size:,}",
-                    best.miss_ratio,
-                    best.requests_per_s,
-                    best.chunk_ops_per_s,
-                )
-            )
+            cfg = SimConfig(num_chunks=size, policy=policy, impl=impl)
+            rows.append(row(f"kvoffload serving, chat ({impl})", best_of(chat, cfg, args.repeat)))
     print(
         f"classic trace: {args.requests:,} requests over {args.objects:,} objects (Zipf 0.8); "
         f"best of {args.repeat}; Python {platform.python_version()}\n"

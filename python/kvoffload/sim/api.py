@@ -69,7 +69,7 @@ def working_set(workload: Workload, block_tokens: int = DEFAULT_BLOCK_TOKENS) ->
 
 
 def simulate(
-    workload: Workload,
+    workload: Workload | str | Path,
     config: SimConfig | None = None,
     *,
     name: str = "custom",
@@ -78,8 +78,12 @@ def simulate(
 ) -> SimResult:
     """Run one policy at one size: serving mode for requests, classic mode for an object trace.
 
+    ``workload`` may also be a generator name or a trace path (`load_workload`, defaults).
     ``overrides`` replace fields of ``config`` (e.g. ``policy="arc", num_chunks=4096``).
     """
+    if isinstance(workload, str | Path):
+        name = name if name != "custom" else Path(workload).name
+        workload = load_workload(workload)
     cfg = dataclasses.replace(config or SimConfig(), **overrides)
     total = len(workload)
     with tqdm(total=total, disable=not progress, unit="req", desc=cfg.policy) as bar:

@@ -15,7 +15,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.sim import libcachesim_ref
 from kvoffload.sim.api import load_workload, miss_ratio_curve, working_set
 from kvoffload.sim.engine import SimConfig
@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _csv_columns(args: argparse.Namespace) -> CsvColumns:
     cols = _csv_ints(args.csv_columns)
     if len(cols) != 3 or cols[1] < 1:
-        raise KVOffloadError("--csv-columns needs three numbers time,obj_id,size (obj_id >= 1)")
+        raise InvalidArgumentError("--csv-columns needs time,obj_id,size numbers (obj_id >= 1)")
     time_col, obj_col, size_col = cols
     return CsvColumns(obj_col, time_col or None, size_col or None, has_header=args.csv_header)
 

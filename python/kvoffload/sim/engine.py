@@ -38,13 +38,7 @@ from kvoffload.sim.results import SIM_CALL_KINDS, SimResult
 from kvoffload.types import LookupResult, ReqContext
 from kvoffload.workload import KindStats, timer_overhead_ns
 
-__all__ = ["IMPLEMENTATIONS", "SimConfig", "make_manager", "run_serving"]
-
-#: Implementations by name ("module:Class" also accepted), as in ``kvoffload bench``.
-IMPLEMENTATIONS: dict[str, str] = {
-    "rust": "kvoffload:CPUOffloadingManager",
-    "reference": "kvoffload.reference:CPUOffloadingManager",
-}
+__all__ = ["SimConfig", "make_manager", "run_serving"]
 
 
 @dataclass(frozen=True)
@@ -84,9 +78,9 @@ class SimConfig:
 
 def make_manager(cfg: SimConfig) -> Any:
     """Build the manager ``cfg`` names (impl ``rust``, ``reference`` or ``module:Class``)."""
-    from kvoffload.bench import load_implementation
+    from kvoffload.bench import load_implementation  # the names of ``kvoffload bench --impls``
 
-    cls = load_implementation(IMPLEMENTATIONS.get(cfg.impl, cfg.impl))
+    cls = load_implementation(cfg.impl)
     return cls(
         cfg.num_chunks,
         cache_policy=cfg.policy,
