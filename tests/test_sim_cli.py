@@ -72,3 +72,19 @@ def test_simulate_takes_a_generator_name() -> None:
     res = simulate("zipf-objects", num_chunks=50)
     assert res.mode == "classic"
     assert res.workload == "zipf-objects"
+
+
+def test_sim_plugin_on_rust_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["sim", "--requests", "20", "--policies", "LibCacheSimArc", "--jobs", "2"]
+    args += ["--cache-policy-module-path", "kvoffload.sim.policies", "--sizes", "64,128"]
+    assert main([*args, "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "use kvoffload.reference.CPUOffloadingManager" in capsys.readouterr().err
+
+
+def test_docs_python_example_runs() -> None:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "sim.md").read_text()
+    start = text.index("```python\n") + len("```python\n")
+    code = text[start : text.index("```", start)]
+    exec(compile(code, "docs/sim.md", "exec"), {"__name__": "docs_example"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -100,6 +101,12 @@ def _init_worker(workload: Workload) -> None:
     _WORKER_WORKLOAD = workload
 
 
+def _children_can_start() -> bool:
+    """Spawned children re-run ``__main__`` from its file; a script read from stdin has none."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    return main_file is None or os.path.exists(main_file)
+
+
 def _run_in_worker(cfg: SimConfig, name: str) -> SimResult:
     assert _WORKER_WORKLOAD is not None
     return simulate(_WORKER_WORKLOAD, cfg, name=name)
@@ -118,7 +125,8 @@ def miss_ratio_curve(
 ) -> list[SimResult]:
     """Simulate every policy at every size, in ``jobs`` processes (default: CPUs, at most 4).
 
-    Results come back ordered by policy, then size. ``jobs=1`` runs in this process.
+    Results come back ordered by policy, then size. ``jobs=1`` runs in this process, and so does
+    a program read from stdin (spawned worker processes could not re-import it).
     """
     base = config or SimConfig()
     sizes = sorted(set(sizes))
@@ -128,6 +136,8 @@ def miss_ratio_curve(
     if any(s < 0 for s in sizes):
         raise InvalidArgumentError("cache sizes must be >= 0")
     jobs = jobs or min(4, os.cpu_count() or 1, len(tasks))
+    if not _children_can_start():
+        jobs = 1
     results: dict[int, SimResult] = {}
     with tqdm(total=len(tasks), disable=not progress, unit="run", desc="miss-ratio curve") as bar:
         if jobs <= 1:
