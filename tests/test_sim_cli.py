@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from kvoffload.cli import main
-from kvoffload.sim import ObjectTrace, write_object_trace
+from kvoffload.sim import (
+    GeneratorConfig,
+    ObjectTrace,
+    generate_workload,
+    write_jsonl,
+    write_object_trace,
+)
 
 
 def test_sim_serving_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -88,3 +94,24 @@ def test_docs_python_example_runs() -> None:
     start = text.index("```python\n") + len("```python\n")
     code = text[start : text.index("```", start)]
     exec(compile(code, "docs/sim.md", "exec"), {"__name__": "docs_example"})
+
+
+def test_sim_jsonl_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "requests.jsonl"
+    write_jsonl(generate_workload("rag", GeneratorConfig(requests=40, kv_groups=2)), trace)
+    args = ["sim", "--workload", str(trace), "--sizes", "256,1024", "--decode-rate", "100"]
+    assert main([*args, "--jobs", "1", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert "requests.jsonl, 40 requests" in capsys.readouterr().out
+    assert json.loads((tmp_path / "sim.json").read_text())["config"]["decode_tokens_per_s"] == 100
+
+
+def test_sim_csv_trace_columns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("obj,time\n" + "".join(f"{i % 30},{i}\n" for i in range(500)))
+    args = ["sim", "--workload", str(trace), "--csv-columns", "2,1,0", "--csv-header"]
+    args += ["--sizes", "10,40", "--jobs", "1", "--no-plot"]
+    assert main([*args, "--out", str(tmp_path), "--no-progress"]) == 0
+    doc = json.loads((tmp_path / "sim.json").read_text())
+    assert doc["working_set"] == 30
+    big = [r for r in doc["results"] if r["num_chunks"] == 40]
+    assert all(r["miss_ratio"] == pytest.approx(30 / 500) for r in big)

@@ -65,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--bandwidth", type=float, default=sim.transfer_bytes_per_s / 1e9, help="GB/s (%(default)s)"
     )
+    add(
+        "--prefill-rate",
+        type=float,
+        default=sim.prefill_tokens_per_s,
+        help="tokens/s (%(default)s)",
+    )
+    add("--decode-rate", type=float, default=sim.decode_tokens_per_s, help="tokens/s per request")
     add("--csv-columns", default="1,2,3", help="CSV time,obj_id,size columns, 1-based, 0=absent")
     add("--csv-header", action="store_true", help="the CSV trace has a header line")
     add("--libcachesim", action="store_true", help="classic mode: also run libCacheSim")
@@ -112,6 +119,8 @@ def _run(args: argparse.Namespace) -> int:
         store_failure_prob=args.store_failure_prob,
         chunk_bytes=args.chunk_bytes,
         transfer_bytes_per_s=args.bandwidth * 1e9,
+        prefill_tokens_per_s=args.prefill_rate,
+        decode_tokens_per_s=args.decode_rate,
     )
     mode = "classic (one object per request)" if classic else "serving"
     unit = "objects" if classic else "chunks"
