@@ -16,6 +16,7 @@ from kvoffload.errors import (
     KeyStateError,
     KVOffloadError,
     RequestFinishedError,
+    TraceFormatError,
     UnsupportedPolicyError,
 )
 from kvoffload.types import (
@@ -66,6 +67,7 @@ __all__ = [
     "ReqContext",
     "RequestFinishedError",
     "RequestOffloadingContext",
+    "TraceFormatError",
     "UnsupportedPolicyError",
     "__version__",
     "get_offload_block_hash",

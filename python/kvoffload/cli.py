@@ -1,4 +1,4 @@
-"""The ``kvoffload`` command line: ``kvoffload bench`` (more subcommands to come)."""
+"""The ``kvoffload`` command line: ``kvoffload bench`` and ``kvoffload sim``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from kvoffload import __version__, bench
+from kvoffload.sim import cli as sim_cli
 
 __all__ = ["build_parser", "main"]
 
@@ -27,6 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(handler=bench.run)
+    sim_parser = commands.add_parser(
+        "sim",
+        help="replay a workload or trace through the manager: policies, sizes, miss-ratio curves",
+        description=sim_cli.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sim_cli.add_arguments(sim_parser)
+    sim_parser.set_defaults(handler=sim_cli.run)
     return parser
 
 

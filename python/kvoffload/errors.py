@@ -16,6 +16,7 @@ __all__ = [
     "KVOffloadError",
     "KeyStateError",
     "RequestFinishedError",
+    "TraceFormatError",
     "UnsupportedPolicyError",
 ]
 
@@ -57,3 +58,7 @@ class RequestFinishedError(KVOffloadError):
 
 class InvariantViolation(KVOffloadError):
     """``check_invariants()`` found internal state that breaks an invariant (a bug in kvoffload)."""
+
+
+class TraceFormatError(KVOffloadError, ValueError):
+    """A trace file (or trace record) given to ``kvoffload.sim`` is malformed; says where."""

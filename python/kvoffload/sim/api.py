@@ -1,0 +1,158 @@
+"""The Python API: load a workload, simulate one policy and size, or a miss-ratio curve."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any, Union
+
+from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
+
+from kvoffload.errors import InvalidArgumentError
+from kvoffload.sim.classic import run_classic
+from kvoffload.sim.engine import SimConfig, run_serving
+from kvoffload.sim.generators import GENERATORS, GeneratorConfig, generate_workload
+from kvoffload.sim.model import DEFAULT_BLOCK_TOKENS, SimRequest
+from kvoffload.sim.results import SimResult
+from kvoffload.sim.traces import (
+    CsvColumns,
+    ObjectTrace,
+    detect_format,
+    read_jsonl,
+    zipf_object_trace,
+)
+from kvoffload.sim.traces import read_object_trace as _read_object_trace
+
+__all__ = ["Workload", "load_workload", "miss_ratio_curve", "simulate", "working_set"]
+
+#: A serving workload (requests) or an object trace (classic mode).
+Workload = Union[Sequence[SimRequest], ObjectTrace]  # noqa: UP007 (a runtime alias on 3.10)
+
+
+def load_workload(
+    spec: str | Path,
+    *,
+    fmt: str | None = None,
+    generator: GeneratorConfig | None = None,
+    csv_columns: CsvColumns | None = None,
+) -> Workload:
+    """Generate (chat, rag, agent, zipf) or read a trace (jsonl, txt, csv, oracleGeneral).
+
+    ``zipf-objects`` is a seeded Zipf object trace for classic mode (`zipf_object_trace`):
+    ``generator.requests`` requests over a tenth as many objects, exponent ``generator.alpha``.
+    """
+    if spec == "zipf-objects" and fmt is None:
+        g = generator or GeneratorConfig()
+        return zipf_object_trace(g.requests, max(1, g.requests // 10), g.alpha, g.seed)
+    if isinstance(spec, str) and spec in GENERATORS and fmt is None:
+        return generate_workload(spec, generator)
+    fmt = fmt or detect_format(spec)
+    if fmt == "jsonl":
+        return read_jsonl(spec)
+    return _read_object_trace(spec, fmt, csv_columns)
+
+
+def working_set(workload: Workload, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
+    """Distinct chunks (keys, prompts and outputs) or distinct objects of a workload."""
+    if isinstance(workload, ObjectTrace):
+        return workload.num_objects
+    keys: set[bytes] = set()
+    for r in workload:
+        k = r.keys(block_tokens)
+        keys.update(k.prompt)
+        keys.update(k.output)
+    return len(keys)
+
+
+def simulate(
+    workload: Workload | str | Path,
+    config: SimConfig | None = None,
+    *,
+    name: str = "custom",
+    progress: bool = False,
+    **overrides: Any,
+) -> SimResult:
+    """Run one policy at one size: serving mode for requests, classic mode for an object trace.
+
+    ``workload`` may also be a generator name or a trace path (`load_workload`, defaults).
+    ``overrides`` replace fields of ``config`` (e.g. ``policy="arc", num_chunks=4096``).
+    """
+    if isinstance(workload, str | Path):
+        name = name if name != "custom" else Path(workload).name
+        workload = load_workload(workload)
+    cfg = dataclasses.replace(config or SimConfig(), **overrides)
+    total = len(workload)
+    with tqdm(total=total, disable=not progress, unit="req", desc=cfg.policy) as bar:
+        if isinstance(workload, ObjectTrace):
+            return run_classic(workload, cfg, workload=name, progress=bar.update)
+        return run_serving(workload, cfg, workload=name, progress=bar.update)
+
+
+_WORKER_WORKLOAD: Workload | None = None
+
+
+def _init_worker(workload: Workload) -> None:
+    global _WORKER_WORKLOAD  # one workload per worker process
+    _WORKER_WORKLOAD = workload
+
+
+def _children_can_start() -> bool:
+    """Spawned children re-run ``__main__`` from its file; a script read from stdin has none."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    return main_file is None or os.path.exists(main_file)
+
+
+def _run_in_worker(cfg: SimConfig, name: str) -> SimResult:
+    assert _WORKER_WORKLOAD is not None
+    return simulate(_WORKER_WORKLOAD, cfg, name=name)
+
+
+def miss_ratio_curve(
+    workload: Workload,
+    sizes: Iterable[int],
+    policies: Sequence[str] = ("lru", "arc"),
+    config: SimConfig | None = None,
+    *,
+    name: str = "custom",
+    jobs: int | None = None,
+    progress: bool = False,
+    on_result: Callable[[SimResult], object] | None = None,
+) -> list[SimResult]:
+    """Simulate every policy at every size, in ``jobs`` processes (default: CPUs, at most 4).
+
+    Results come back ordered by policy, then size. ``jobs=1`` runs in this process, and so does
+    a program read from stdin (spawned worker processes could not re-import it).
+    """
+    base = config or SimConfig()
+    sizes = sorted(set(sizes))
+    tasks = [dataclasses.replace(base, policy=p, num_chunks=s) for p in policies for s in sizes]
+    if not tasks:
+        raise InvalidArgumentError("a miss-ratio curve needs at least one policy and one size")
+    if any(s < 0 for s in sizes):
+        raise InvalidArgumentError("cache sizes must be >= 0")
+    jobs = jobs or min(4, os.cpu_count() or 1, len(tasks))
+    if not _children_can_start():
+        jobs = 1
+    results: dict[int, SimResult] = {}
+    with tqdm(total=len(tasks), disable=not progress, unit="run", desc="miss-ratio curve") as bar:
+        if jobs <= 1:
+            for i, cfg in enumerate(tasks):
+                results[i] = simulate(workload, cfg, name=name)
+                bar.update(1)
+                if on_result is not None:
+                    on_result(results[i])
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(jobs, ctx, _init_worker, (workload,)) as pool:
+                futures = {pool.submit(_run_in_worker, cfg, name): i for i, cfg in enumerate(tasks)}
+                for fut in as_completed(futures):
+                    results[futures[fut]] = fut.result()
+                    bar.update(1)
+                    if on_result is not None:
+                        on_result(results[futures[fut]])
+    return [results[i] for i in range(len(tasks))]

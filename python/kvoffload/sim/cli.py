@@ -1,0 +1,211 @@
+"""``kvoffload sim``: replay a workload through the real manager for several policies and sizes.
+
+With no arguments it runs the embedded multi-turn chat workload (2,000 requests) under lru and
+arc at six cache sizes (1/64 to 1/2 of the working set), in parallel processes, prints the
+side-by-side table at the middle size and the miss-ratio table, and writes sim.png, sim.svg,
+sim.json and sim.csv into --out. A trace file in libCacheSim's txt, csv or oracleGeneral format
+runs in classic mode (one object per request; sizes count objects); --libcachesim adds
+libCacheSim's own miss ratios and speed on the same trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from kvoffload.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.sim import libcachesim_ref
+from kvoffload.sim.api import load_workload, miss_ratio_curve, working_set
+from kvoffload.sim.engine import SimConfig
+from kvoffload.sim.generators import GENERATORS, GeneratorConfig
+from kvoffload.sim.results import SimResult, format_comparison, format_curve, write_csv, write_json
+from kvoffload.sim.traces import CsvColumns, ObjectTrace
+
+__all__ = ["add_arguments", "run"]
+
+#: Default cache sizes, as fractions of the working set.
+DEFAULT_FRACTIONS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
+
+
+def _csv_ints(text: str) -> list[int]:
+    try:
+        return [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the options of ``kvoffload sim``."""
+    sim, gen = SimConfig(), GeneratorConfig()
+    add = parser.add_argument
+    add(
+        "--workload",
+        default="chat",
+        help=f"{', '.join(GENERATORS)}, zipf-objects (classic) or a trace path (chat)",
+    )
+    add("--format", choices=("jsonl", "txt", "csv", "oracleGeneral"), help="trace format")
+    add("--policies", default="lru,arc", help="comma-separated cache policies (lru,arc)")
+    add("--impl", default=sim.impl, help="rust, reference or module:Class (rust)")
+    add("--cache-policy-module-path", help="module of an out-of-tree policy (reference impl)")
+    add("--sizes", type=_csv_ints, help="cache sizes in chunks (default: fractions of the WSS)")
+    add("--chunks", type=int, help="size of the side-by-side table (default: a middle size)")
+    add("--requests", type=int, default=gen.requests, help="generated requests (%(default)s)")
+    add("--seed", type=int, default=gen.seed, help="generator seed (%(default)s)")
+    add("--kv-groups", type=int, default=gen.kv_groups, help="KV groups (%(default)s)")
+    add("--rate", type=float, default=gen.rate, help="arrivals per second (%(default)s)")
+    add("--alpha", type=float, default=gen.alpha, help="Zipf exponent (%(default)s)")
+    add("--max-running", type=int, default=sim.max_running, help="requests in flight (%(default)s)")
+    add("--store-threshold", type=int, default=sim.store_threshold, help="(%(default)s)")
+    add("--store-failure-prob", type=float, default=sim.store_failure_prob, help="(%(default)s)")
+    add("--chunk-bytes", type=int, default=sim.chunk_bytes, help="bytes per chunk (%(default)s)")
+    add(
+        "--bandwidth", type=float, default=sim.transfer_bytes_per_s / 1e9, help="GB/s (%(default)s)"
+    )
+    add(
+        "--prefill-rate",
+        type=float,
+        default=sim.prefill_tokens_per_s,
+        help="tokens/s (%(default)s)",
+    )
+    add("--decode-rate", type=float, default=sim.decode_tokens_per_s, help="tokens/s per request")
+    add("--csv-columns", default="1,2,3", help="CSV time,obj_id,size columns, 1-based, 0=absent")
+    add("--csv-header", action="store_true", help="the CSV trace has a header line")
+    add("--libcachesim", action="store_true", help="classic mode: also run libCacheSim")
+    add("--jobs", type=int, help="parallel processes (default: CPUs, at most 4)")
+    add("--out", type=Path, default=Path("kvoffload-sim"), help="output folder (%(default)s)")
+    add("--no-plot", action="store_true", help="do not write the plot")
+    add("--no-progress", action="store_true", help="no progress bar")
+
+
+def _csv_columns(args: argparse.Namespace) -> CsvColumns:
+    cols = _csv_ints(args.csv_columns)
+    if len(cols) != 3 or cols[1] < 1:
+        raise InvalidArgumentError("--csv-columns needs time,obj_id,size numbers (obj_id >= 1)")
+    time_col, obj_col, size_col = cols
+    return CsvColumns(obj_col, time_col or None, size_col or None, has_header=args.csv_header)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``kvoffload sim``; return the exit status."""
+    try:
+        return _run(args)
+    except (KVOffloadError, OSError) as e:
+        print(f"kvoffload sim: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    gen = GeneratorConfig(args.requests, args.seed, args.kv_groups, args.rate, args.alpha)
+    workload = load_workload(
+        args.workload, fmt=args.format, generator=gen, csv_columns=_csv_columns(args)
+    )
+    name = Path(args.workload).name
+    classic = isinstance(workload, ObjectTrace)
+    wss = working_set(workload)
+    sizes = args.sizes or sorted({max(1, int(wss * f)) for f in DEFAULT_FRACTIONS})
+    table_size = args.chunks if args.chunks is not None else sizes[(len(sizes) - 1) // 2]
+    if table_size not in sizes:
+        sizes = sorted({*sizes, table_size})
+    policies = [p for p in args.policies.split(",") if p]
+    config = SimConfig(
+        impl=args.impl,
+        cache_policy_module_path=args.cache_policy_module_path,
+        store_threshold=args.store_threshold,
+        max_running=args.max_running,
+        store_failure_prob=args.store_failure_prob,
+        chunk_bytes=args.chunk_bytes,
+        transfer_bytes_per_s=args.bandwidth * 1e9,
+        prefill_tokens_per_s=args.prefill_rate,
+        decode_tokens_per_s=args.decode_rate,
+    )
+    mode = "classic (one object per request)" if classic else "serving"
+    unit = "objects" if classic else "chunks"
+    print(
+        f"kvoffload sim: {name}, {len(workload):,} requests, working set {wss:,} {unit}, "
+        f"{mode} mode, impl {args.impl}, policies {', '.join(policies)}, "
+        f"sizes {', '.join(f'{s:,}' for s in sizes)}"
+    )
+    results = miss_ratio_curve(
+        workload,
+        sizes,
+        policies,
+        config,
+        name=name,
+        jobs=args.jobs,
+        progress=not args.no_progress,
+    )
+    at_size = [r for r in results if r.num_chunks == table_size]
+    print(f"\n{name} at {table_size:,} {unit}:\n")
+    print(format_comparison(at_size))
+    print(f"\nmiss ratio ({'requests' if classic else 'chunks'}) by cache size:\n")
+    print(format_curve(results))
+    speed = _speed_lines(results)
+    lcs_runs = []
+    if args.libcachesim and isinstance(workload, ObjectTrace):
+        lcs_runs = _libcachesim(workload, sizes, policies)
+    if lcs_runs:
+        print("\n" + _format_libcachesim(lcs_runs, results))
+    print("\n" + speed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(
+        results,
+        args.out / "sim.json",
+        workload=name,
+        mode="classic" if classic else "serving",
+        working_set=wss,
+        config=dataclasses.asdict(config),
+        libcachesim=[dataclasses.asdict(r) for r in lcs_runs],
+    )
+    write_csv(results, args.out / "sim.csv")
+    written = [args.out / "sim.json", args.out / "sim.csv"]
+    if not args.no_plot:
+        from kvoffload.sim.plot import plot_curves
+
+        title = f"{name}: miss ratio by cache size ({args.impl} manager)"
+        written += plot_curves(results, args.out / "sim", title)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _format_libcachesim(
+    runs: list[libcachesim_ref.LibCacheSimRun], results: list[SimResult]
+) -> str:
+    lines = ["libCacheSim 0.3.5 on the same trace (request miss ratio, requests/s):", ""]
+    for run in runs:
+        ours = next(r for r in results if (r.policy, r.num_chunks) == (run.policy, run.num_objects))
+        misses = round(run.miss_ratio * run.requests)
+        verdict = "same" if ours.requests - ours.hit_chunks == misses else "differs"
+        if verdict == "differs" and run.policy == "arc":
+            verdict += ": vLLM's ARC is not libCacheSim's, see docs/sim.md"
+        lines.append(
+            f"  {run.policy} at {run.num_objects:,}: libCacheSim {run.miss_ratio:.5f}, "
+            f"kvoffload {ours.miss_ratio:.5f} ({verdict}); "
+            f"{run.requests_per_s:,.0f} vs {ours.requests_per_s:,.0f} requests/s"
+        )
+    return "\n".join(lines)
+
+
+def _speed_lines(results: list[SimResult]) -> str:
+    reqs = sum(r.requests for r in results)
+    ops = sum(r.chunk_ops for r in results)
+    wall = sum(r.wall_s for r in results)
+    return (
+        f"simulation speed: {reqs / wall:,.0f} requests/s, {ops / wall:,.0f} chunk operations/s "
+        f"(per process, over {len(results)} runs)"
+        if wall
+        else "simulation speed: -"
+    )
+
+
+def _libcachesim(
+    workload: ObjectTrace, sizes: list[int], policies: list[str]
+) -> list[libcachesim_ref.LibCacheSimRun]:
+    if not libcachesim_ref.available():
+        print("libcachesim is not installed (pip install libcachesim); skipping the comparison")
+        return []
+    known = [p for p in policies if p in libcachesim_ref.LIBCACHESIM_POLICIES]
+    return libcachesim_ref.run_libcachesim(workload, sizes, known)

@@ -1,0 +1,130 @@
+"""Serving mode drives the real manager: invariants hold, counts add up, implementations agree."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from kvoffload.sim import (
+    GeneratorConfig,
+    SimConfig,
+    SimResult,
+    format_comparison,
+    format_curve,
+    generate_workload,
+    miss_ratio_curve,
+    simulate,
+    working_set,
+    zipf_object_trace,
+)
+from kvoffload.sim.engine import make_manager, run_serving
+from kvoffload.sim.model import SimRequest
+
+
+def _run(requests: list[SimRequest], **kw: Any) -> tuple[SimResult, Any]:
+    cfg = SimConfig(**kw)
+    manager = make_manager(cfg)
+    return run_serving(requests, cfg, manager=manager), manager
+
+
+def _assert_settled(manager: Any) -> None:
+    manager.check_invariants()
+    # Every load and store completed: nothing is pending or pinned at the end.
+    assert all(ref == 0 for _, ref in manager.resident().values())
+
+
+@pytest.mark.parametrize("name", ["chat", "rag", "agent", "zipf"])
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_counts_add_up(name: str, policy: str) -> None:
+    reqs = generate_workload(name, GeneratorConfig(requests=120, seed=2))
+    size = working_set(reqs) // 6
+    res, manager = _run(reqs, num_chunks=size, policy=policy, store_failure_prob=0.05)
+    _assert_settled(manager)
+    assert res.requests == len(reqs)
+    assert res.lookup_chunks == sum(len(r.keys().prompt) for r in reqs)
+    assert 0 < res.hit_chunks < res.lookup_chunks
+    assert 0 < res.hit_tokens < res.prompt_tokens
+    assert res.evicted_chunks > 0
+    stores = res.calls["complete_store"]
+    assert stores.keys == res.stored_chunks + res.stores_failed
+    # Everything stored is resident, evicted, or was dropped by a failed store.
+    assert len(manager.resident()) == res.stored_chunks - res.evicted_chunks
+    assert res.calls["prepare_load"].keys == res.hit_chunks == res.calls["complete_load"].keys
+    assert res.calls["on_new_request"].calls == res.calls["on_request_finished"].calls == len(reqs)
+    assert res.bytes_loaded == res.hit_chunks * res.chunk_bytes
+    assert res.sim_time_s >= reqs[-1].arrival
+    assert all(res.ns_per_call(k) is not None for k in ("lookup", "prepare_store"))
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_rust_and_reference_agree(policy: str) -> None:
+    reqs = generate_workload("chat", GeneratorConfig(requests=150, seed=5, kv_groups=2))
+    cfg = SimConfig(num_chunks=working_set(reqs) // 5, policy=policy, store_failure_prob=0.05)
+    rust = simulate(reqs, cfg)
+    ref = simulate(reqs, cfg, impl="reference")
+    fields = ("hit_chunks", "hit_tokens", "stored_chunks", "evicted_chunks", "stores_failed")
+    assert [getattr(rust, f) for f in fields] == [getattr(ref, f) for f in fields]
+    assert rust.impl == "rust"
+    assert ref.impl == "reference"
+
+
+def test_pending_waits_and_threshold_skips() -> None:
+    # A burst on few prefixes: later arrivals find the first one's blocks still being stored.
+    reqs = generate_workload("zipf", GeneratorConfig(requests=80, rate=5000.0, alpha=2.0))
+    slow = SimConfig(num_chunks=2000, transfer_bytes_per_s=1e8, store_threshold=2)
+    res, manager = _run(reqs, **dataclasses.asdict(slow))
+    _assert_settled(manager)
+    assert res.pending_waits > 0
+    assert res.stores_skipped > 0
+
+
+def test_refused_stores_when_everything_is_pinned() -> None:
+    reqs = generate_workload("rag", GeneratorConfig(requests=40, rate=1000.0))
+    res, manager = _run(reqs, num_chunks=64, transfer_bytes_per_s=1e8)
+    _assert_settled(manager)
+    assert res.stores_refused > 0
+
+
+def test_plugin_policy_runs_on_the_reference_manager() -> None:
+    reqs = generate_workload("zipf", GeneratorConfig(requests=60))
+    cfg = SimConfig(
+        num_chunks=500,
+        policy="LibCacheSimArc",
+        impl="reference",
+        cache_policy_module_path="kvoffload.sim.policies",
+    )
+    res = simulate(reqs, cfg)
+    assert res.hit_chunks > 0
+    assert res.policy == "LibCacheSimArc"
+
+
+def test_miss_ratio_curve_is_sane() -> None:
+    reqs = generate_workload("zipf", GeneratorConfig(requests=150, seed=1))
+    wss = working_set(reqs)
+    sizes = [wss // 16, wss // 4, wss]
+    results = miss_ratio_curve(reqs, sizes, ("lru", "arc"), jobs=1)
+    assert [(r.policy, r.num_chunks) for r in results] == [
+        (p, s) for p in ("lru", "arc") for s in sizes
+    ]
+    for policy in ("lru", "arc"):
+        curve = [r.miss_ratio for r in results if r.policy == policy]
+        assert curve[0] >= curve[1] >= curve[2]
+        # A cache as big as the working set misses only the first touch of each block.
+        assert curve[2] == pytest.approx(results[-1].miss_ratio, abs=0.02)
+    table = format_curve(results)
+    assert "lru miss" in table
+    assert "arc miss" in table
+    assert "hit ratio (tokens)" in format_comparison(results[:1])
+
+
+def test_lru_classic_curve_is_monotonic_in_parallel() -> None:
+    # LRU is a stack algorithm: a bigger cache never misses more. Two processes.
+    trace = zipf_object_trace(4000, 500, alpha=0.9, seed=7)
+    sizes = [10, 40, 80, 160, 320]
+    results = miss_ratio_curve(trace, sizes, ("lru",), jobs=2)
+    curve = [r.miss_ratio for r in results]
+    assert curve == sorted(curve, reverse=True)
+    serial = miss_ratio_curve(trace, sizes, ("lru",), jobs=1)
+    assert [r.hit_chunks for r in serial] == [r.hit_chunks for r in results]
