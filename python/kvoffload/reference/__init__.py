@@ -12,6 +12,7 @@ from kvoffload.reference.fifo import FifoPolicy
 from kvoffload.reference.lru import LruPolicy
 from kvoffload.reference.manager import ChunkPool, CPUOffloadingManager
 from kvoffload.reference.policy import CachePolicy, ChunkStatus, RequestContext
+from kvoffload.reference.s3fifo import S3FifoPolicy
 from kvoffload.reference.sieve import SievePolicy
 
 __all__ = [
@@ -24,5 +25,6 @@ __all__ = [
     "FifoPolicy",
     "LruPolicy",
     "RequestContext",
+    "S3FifoPolicy",
     "SievePolicy",
 ]

@@ -46,6 +46,7 @@ from kvoffload.reference.policy import (
     require,
     sorted_by_position,
 )
+from kvoffload.reference.s3fifo import S3FifoPolicy
 from kvoffload.reference.sieve import SievePolicy
 from kvoffload.types import (
     CacheHitSource,
@@ -69,6 +70,7 @@ _BUILTIN: dict[str, type[CachePolicy]] = {
     "arc": ArcPolicy,
     "fifo": FifoPolicy,
     "sieve": SievePolicy,
+    "s3fifo": S3FifoPolicy,
 }
 
 

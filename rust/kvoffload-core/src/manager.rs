@@ -10,7 +10,8 @@ use crate::error::{ensure, show_key, CoreError, Result};
 use crate::index::{prefetch, KeyIndex};
 use crate::key::{group_of, hash_key, KeyBuf, KeySlot};
 use crate::policy::{
-    Access, ArcPolicy, CachePolicy, FifoPolicy, FinishedKey, LruPolicy, PolicyState, SievePolicy,
+    Access, ArcPolicy, CachePolicy, FifoPolicy, FinishedKey, LruPolicy, PolicyState, S3FifoPolicy,
+    SievePolicy,
 };
 use crate::pool::{ChunkId, ChunkPool};
 use crate::refcount::{ChunkState, RefCountTable};
@@ -34,15 +35,18 @@ pub enum PolicyKind {
     Fifo,
     /// SIEVE: a FIFO queue with visited bits and a sweeping hand.
     Sieve,
+    /// S3-FIFO: small, main and ghost FIFO queues.
+    S3Fifo,
 }
 
 impl PolicyKind {
     /// Every built-in policy, by name.
-    pub const ALL: [(&'static str, PolicyKind); 4] = [
+    pub const ALL: [(&'static str, PolicyKind); 5] = [
         ("lru", PolicyKind::Lru),
         ("arc", PolicyKind::Arc),
         ("fifo", PolicyKind::Fifo),
         ("sieve", PolicyKind::Sieve),
+        ("s3fifo", PolicyKind::S3Fifo),
     ];
 
     /// The policy called `name`, if built in.
@@ -168,6 +172,7 @@ impl Manager {
             PolicyKind::Arc => Box::new(ArcPolicy::new(n)),
             PolicyKind::Fifo => Box::new(FifoPolicy::new()),
             PolicyKind::Sieve => Box::new(SievePolicy::new()),
+            PolicyKind::S3Fifo => Box::new(S3FifoPolicy::new(n)),
         };
         Ok(Self {
             id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),

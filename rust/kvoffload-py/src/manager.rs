@@ -208,6 +208,45 @@ fn spec<'py>(py: Python<'py>, chunks: &[core::ChunkId]) -> PyResult<Bound<'py, P
     )
 }
 
+/// Fill `d` with S3-FIFO's state: `queues` are S, M and the parked entries of each, `keys` their
+/// keys in the same order.
+fn s3fifo_state(
+    d: &Bound<'_, PyDict>,
+    queues: [&[(core::ChunkId, u8)]; 4],
+    keys: &[Vec<Vec<u8>>],
+    ghosts: &[core::KeyBuf],
+) -> PyResult<()> {
+    let py = d.py();
+    let entries = |cs: &[(core::ChunkId, u8)], ks: &[Vec<u8>]| {
+        PyList::new(
+            py,
+            cs.iter()
+                .zip(ks)
+                .map(|((_, freq), k)| (PyBytes::new(py, k), *freq)),
+        )
+    };
+    // Parked entries as (key, queue, frequency), in key order.
+    let parked = PyList::empty(py);
+    for (queue, cs, ks) in [
+        ("small", queues[2], &keys[2]),
+        ("main", queues[3], &keys[3]),
+    ] {
+        for ((_, freq), k) in cs.iter().zip(ks) {
+            parked.append((PyBytes::new(py, k), queue, *freq))?;
+        }
+    }
+    parked.sort()?;
+    d.set_item("policy", "s3fifo")?;
+    d.set_item("small", entries(queues[0], &keys[0])?)?;
+    d.set_item("main", entries(queues[1], &keys[1])?)?;
+    d.set_item("parked", parked)?;
+    d.set_item(
+        "ghosts",
+        PyList::new(py, ghosts.iter().map(|k| PyBytes::new(py, k)))?,
+    )?;
+    Ok(())
+}
+
 #[pymethods]
 impl ManagerCore {
     #[new]
@@ -543,6 +582,16 @@ impl ManagerCore {
                     parked.iter().map(|(c, _)| key(c)).collect(),
                     hand.iter().map(key).collect(),
                 ],
+                PolicyState::S3Fifo {
+                    small,
+                    main,
+                    parked_small,
+                    parked_main,
+                    ..
+                } => [small, main, parked_small, parked_main]
+                    .iter()
+                    .map(|q| q.iter().map(|(c, _)| key(c)).collect())
+                    .collect(),
             };
             (state, keys)
         };
@@ -585,6 +634,18 @@ impl ManagerCore {
                 d.set_item("parked", parked)?;
                 d.set_item("hand", keys[2].first().map(|k| PyBytes::new(py, k)))?;
             }
+            PolicyState::S3Fifo {
+                small,
+                main,
+                parked_small,
+                parked_main,
+                ghosts,
+            } => s3fifo_state(
+                &d,
+                [&small, &main, &parked_small, &parked_main],
+                &keys,
+                &ghosts,
+            )?,
         }
         Ok(d)
     }

@@ -9,11 +9,13 @@ mod arc;
 mod fifo;
 mod lru;
 mod order;
+mod s3fifo;
 mod sieve;
 
 pub use arc::ArcPolicy;
 pub use fifo::FifoPolicy;
 pub use lru::LruPolicy;
+pub use s3fifo::S3FifoPolicy;
 pub use sieve::SievePolicy;
 
 use crate::error::Result;
@@ -81,6 +83,20 @@ pub enum PolicyState {
         parked: Vec<(ChunkId, bool)>,
         /// The entry the SIEVE hand examines next (`None`: the oldest).
         hand: Option<ChunkId>,
+    },
+    /// S3-FIFO: the small and main queues, oldest first, with frequencies; parked entries by
+    /// id; the ghost keys, oldest first.
+    S3Fifo {
+        /// `(chunk, frequency)` of S, oldest first.
+        small: Vec<(ChunkId, u8)>,
+        /// `(chunk, frequency)` of M, oldest first.
+        main: Vec<(ChunkId, u8)>,
+        /// `(chunk, frequency)` of parked entries of S, by id.
+        parked_small: Vec<(ChunkId, u8)>,
+        /// `(chunk, frequency)` of parked entries of M, by id.
+        parked_main: Vec<(ChunkId, u8)>,
+        /// Keys recently evicted from S, oldest first.
+        ghosts: Vec<KeyBuf>,
     },
 }
 
