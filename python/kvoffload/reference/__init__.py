@@ -14,6 +14,8 @@ from kvoffload.reference.manager import ChunkPool, CPUOffloadingManager
 from kvoffload.reference.policy import CachePolicy, ChunkStatus, RequestContext
 from kvoffload.reference.s3fifo import S3FifoPolicy
 from kvoffload.reference.sieve import SievePolicy
+from kvoffload.reference.slru import SlruPolicy
+from kvoffload.reference.twoq import TwoQPolicy
 
 __all__ = [
     "AdmissionTracker",
@@ -27,4 +29,6 @@ __all__ = [
     "RequestContext",
     "S3FifoPolicy",
     "SievePolicy",
+    "SlruPolicy",
+    "TwoQPolicy",
 ]

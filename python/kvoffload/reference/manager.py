@@ -48,6 +48,8 @@ from kvoffload.reference.policy import (
 )
 from kvoffload.reference.s3fifo import S3FifoPolicy
 from kvoffload.reference.sieve import SievePolicy
+from kvoffload.reference.slru import SlruPolicy
+from kvoffload.reference.twoq import TwoQPolicy
 from kvoffload.types import (
     CacheHitSource,
     CPULoadStoreSpec,
@@ -71,6 +73,8 @@ _BUILTIN: dict[str, type[CachePolicy]] = {
     "fifo": FifoPolicy,
     "sieve": SievePolicy,
     "s3fifo": S3FifoPolicy,
+    "2q": TwoQPolicy,
+    "slru": SlruPolicy,
 }
 
 

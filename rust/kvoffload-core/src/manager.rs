@@ -11,7 +11,7 @@ use crate::index::{prefetch, KeyIndex};
 use crate::key::{group_of, hash_key, KeyBuf, KeySlot};
 use crate::policy::{
     Access, ArcPolicy, CachePolicy, FifoPolicy, FinishedKey, LruPolicy, PolicyState, S3FifoPolicy,
-    SievePolicy,
+    SievePolicy, SlruPolicy, TwoQPolicy,
 };
 use crate::pool::{ChunkId, ChunkPool};
 use crate::refcount::{ChunkState, RefCountTable};
@@ -37,16 +37,22 @@ pub enum PolicyKind {
     Sieve,
     /// S3-FIFO: small, main and ghost FIFO queues.
     S3Fifo,
+    /// 2Q: a FIFO for chunks seen once, an LRU for the rest, ghosts of the first.
+    TwoQ,
+    /// Segmented LRU: probation and protected segments.
+    Slru,
 }
 
 impl PolicyKind {
     /// Every built-in policy, by name.
-    pub const ALL: [(&'static str, PolicyKind); 5] = [
+    pub const ALL: [(&'static str, PolicyKind); 7] = [
         ("lru", PolicyKind::Lru),
         ("arc", PolicyKind::Arc),
         ("fifo", PolicyKind::Fifo),
         ("sieve", PolicyKind::Sieve),
         ("s3fifo", PolicyKind::S3Fifo),
+        ("2q", PolicyKind::TwoQ),
+        ("slru", PolicyKind::Slru),
     ];
 
     /// The policy called `name`, if built in.
@@ -173,6 +179,8 @@ impl Manager {
             PolicyKind::Fifo => Box::new(FifoPolicy::new()),
             PolicyKind::Sieve => Box::new(SievePolicy::new()),
             PolicyKind::S3Fifo => Box::new(S3FifoPolicy::new(n)),
+            PolicyKind::TwoQ => Box::new(TwoQPolicy::new(n)),
+            PolicyKind::Slru => Box::new(SlruPolicy::new(n)),
         };
         Ok(Self {
             id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),

@@ -208,38 +208,35 @@ fn spec<'py>(py: Python<'py>, chunks: &[core::ChunkId]) -> PyResult<Bound<'py, P
     )
 }
 
-/// Fill `d` with S3-FIFO's state: `queues` are S, M and the parked entries of each, `keys` their
-/// keys in the same order.
-fn s3fifo_state(
+/// Fill `d` with a queue-based policy's state: per queue `[(key, frequency)]` oldest first
+/// under its name, `parked` as `[(key, queue, frequency)]` in key order, and the ghost keys.
+/// `keys` holds the keys of every linked queue, then of every parked list.
+fn queues_state(
     d: &Bound<'_, PyDict>,
-    queues: [&[(core::ChunkId, u8)]; 4],
+    policy: &str,
+    names: &[&str],
+    linked: &[Vec<(core::ChunkId, u8)>],
+    parked: &[Vec<(core::ChunkId, u8)>],
     keys: &[Vec<Vec<u8>>],
     ghosts: &[core::KeyBuf],
 ) -> PyResult<()> {
     let py = d.py();
-    let entries = |cs: &[(core::ChunkId, u8)], ks: &[Vec<u8>]| {
-        PyList::new(
-            py,
-            cs.iter()
-                .zip(ks)
-                .map(|((_, freq), k)| (PyBytes::new(py, k), *freq)),
-        )
-    };
-    // Parked entries as (key, queue, frequency), in key order.
-    let parked = PyList::empty(py);
-    for (queue, cs, ks) in [
-        ("small", queues[2], &keys[2]),
-        ("main", queues[3], &keys[3]),
-    ] {
-        for ((_, freq), k) in cs.iter().zip(ks) {
-            parked.append((PyBytes::new(py, k), queue, *freq))?;
+    d.set_item("policy", policy)?;
+    for (q, name) in names.iter().enumerate() {
+        let entries = linked[q]
+            .iter()
+            .zip(&keys[q])
+            .map(|((_, freq), k)| (PyBytes::new(py, k), *freq));
+        d.set_item(*name, PyList::new(py, entries)?)?;
+    }
+    let all_parked = PyList::empty(py);
+    for (q, name) in names.iter().enumerate() {
+        for ((_, freq), k) in parked[q].iter().zip(&keys[names.len() + q]) {
+            all_parked.append((PyBytes::new(py, k), *name, *freq))?;
         }
     }
-    parked.sort()?;
-    d.set_item("policy", "s3fifo")?;
-    d.set_item("small", entries(queues[0], &keys[0])?)?;
-    d.set_item("main", entries(queues[1], &keys[1])?)?;
-    d.set_item("parked", parked)?;
+    all_parked.sort()?;
+    d.set_item("parked", all_parked)?;
     d.set_item(
         "ghosts",
         PyList::new(py, ghosts.iter().map(|k| PyBytes::new(py, k)))?,
@@ -582,14 +579,9 @@ impl ManagerCore {
                     parked.iter().map(|(c, _)| key(c)).collect(),
                     hand.iter().map(key).collect(),
                 ],
-                PolicyState::S3Fifo {
-                    small,
-                    main,
-                    parked_small,
-                    parked_main,
-                    ..
-                } => [small, main, parked_small, parked_main]
+                PolicyState::Queues { linked, parked, .. } => linked
                     .iter()
+                    .chain(parked)
                     .map(|q| q.iter().map(|(c, _)| key(c)).collect())
                     .collect(),
             };
@@ -634,18 +626,12 @@ impl ManagerCore {
                 d.set_item("parked", parked)?;
                 d.set_item("hand", keys[2].first().map(|k| PyBytes::new(py, k)))?;
             }
-            PolicyState::S3Fifo {
-                small,
-                main,
-                parked_small,
-                parked_main,
+            PolicyState::Queues {
+                names,
+                linked,
+                parked,
                 ghosts,
-            } => s3fifo_state(
-                &d,
-                [&small, &main, &parked_small, &parked_main],
-                &keys,
-                &ghosts,
-            )?,
+            } => queues_state(&d, self.policy, names, &linked, &parked, &keys, &ghosts)?,
         }
         Ok(d)
     }

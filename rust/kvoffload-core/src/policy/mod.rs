@@ -9,14 +9,19 @@ mod arc;
 mod fifo;
 mod lru;
 mod order;
+mod queues;
 mod s3fifo;
 mod sieve;
+mod slru;
+mod twoq;
 
 pub use arc::ArcPolicy;
 pub use fifo::FifoPolicy;
 pub use lru::LruPolicy;
 pub use s3fifo::S3FifoPolicy;
 pub use sieve::SievePolicy;
+pub use slru::SlruPolicy;
+pub use twoq::TwoQPolicy;
 
 use crate::error::Result;
 use crate::key::{KeyBuf, KeySlot};
@@ -84,18 +89,17 @@ pub enum PolicyState {
         /// The entry the SIEVE hand examines next (`None`: the oldest).
         hand: Option<ChunkId>,
     },
-    /// S3-FIFO: the small and main queues, oldest first, with frequencies; parked entries by
-    /// id; the ghost keys, oldest first.
-    S3Fifo {
-        /// `(chunk, frequency)` of S, oldest first.
-        small: Vec<(ChunkId, u8)>,
-        /// `(chunk, frequency)` of M, oldest first.
-        main: Vec<(ChunkId, u8)>,
-        /// `(chunk, frequency)` of parked entries of S, by id.
-        parked_small: Vec<(ChunkId, u8)>,
-        /// `(chunk, frequency)` of parked entries of M, by id.
-        parked_main: Vec<(ChunkId, u8)>,
-        /// Keys recently evicted from S, oldest first.
+    /// Queue-based policies (S3-FIFO, 2Q, SLRU): each named queue, oldest first, and each
+    /// queue's parked entries by id, as `(chunk, frequency)` (0 where a policy counts none);
+    /// the ghost keys, oldest first.
+    Queues {
+        /// The queues' names, in order.
+        names: &'static [&'static str],
+        /// Linked entries of each queue, oldest first.
+        linked: Vec<Vec<(ChunkId, u8)>>,
+        /// Parked entries of each queue, by chunk id.
+        parked: Vec<Vec<(ChunkId, u8)>>,
+        /// Ghost keys, oldest first.
         ghosts: Vec<KeyBuf>,
     },
 }

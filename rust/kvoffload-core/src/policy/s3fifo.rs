@@ -18,61 +18,28 @@
 //! and keeps its place and frequency. The queue lengths that steer eviction count parked
 //! entries.
 
+use super::queues::Queues;
 use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
 use crate::key::{KeyBuf, KeyHasher, KeySlot};
 use crate::pool::ChunkId;
 use crate::refcount::RefCountTable;
+use hashlink::linked_hash_map::RawEntryMut;
 use hashlink::LinkedHashMap;
 
-const NIL: u32 = u32::MAX;
 /// The highest frequency a chunk reaches.
 const MAX_FREQ: u8 = 3;
-
-/// Where a chunk is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-enum Place {
-    #[default]
-    Out,
-    Small,
-    Main,
-    /// Parked, belonging to S.
-    ParkedSmall,
-    /// Parked, belonging to M.
-    ParkedMain,
-}
-
-/// One FIFO queue threaded through the per-chunk links.
-#[derive(Debug, Clone, Copy)]
-struct Queue {
-    oldest: u32,
-    newest: u32,
-    /// Entries, parked ones included.
-    len: usize,
-}
-
-impl Default for Queue {
-    fn default() -> Self {
-        Self {
-            oldest: NIL,
-            newest: NIL,
-            len: 0,
-        }
-    }
-}
+/// Queue indices.
+const SMALL: usize = 0;
+const MAIN: usize = 1;
 
 /// S3-FIFO over `capacity` chunk slots; see the module docs.
 #[derive(Debug, Clone)]
 pub struct S3FifoPolicy {
     small_cap: usize,
     main_cap: usize,
-    place: Vec<Place>,
+    queues: Queues<2>,
     freq: Vec<u8>,
-    ready: Vec<bool>,
-    newer: Vec<u32>,
-    older: Vec<u32>,
-    small: Queue,
-    main: Queue,
     /// Ghost keys, oldest first.
     ghosts: LinkedHashMap<KeyBuf, (), KeyHasher>,
 }
@@ -86,103 +53,18 @@ impl S3FifoPolicy {
         Self {
             small_cap,
             main_cap: capacity.saturating_sub(small_cap),
-            place: Vec::new(),
+            queues: Queues::default(),
             freq: Vec::new(),
-            ready: Vec::new(),
-            newer: Vec::new(),
-            older: Vec::new(),
-            small: Queue::default(),
-            main: Queue::default(),
             ghosts: LinkedHashMap::with_hasher(KeyHasher),
         }
     }
 
-    fn queue_mut(&mut self, small: bool) -> &mut Queue {
-        if small {
-            &mut self.small
-        } else {
-            &mut self.main
-        }
-    }
-
-    /// Link `c` at the newest (`newest == true`) or oldest end of S or M.
-    fn link(&mut self, c: ChunkId, small: bool, newest: bool) {
-        let i = c as usize;
-        let q = *self.queue_mut(small);
-        if newest {
-            self.older[i] = q.newest;
-            self.newer[i] = NIL;
-            if q.newest == NIL {
-                self.queue_mut(small).oldest = c;
-            } else {
-                self.newer[q.newest as usize] = c;
-            }
-            self.queue_mut(small).newest = c;
-        } else {
-            self.newer[i] = q.oldest;
-            self.older[i] = NIL;
-            if q.oldest == NIL {
-                self.queue_mut(small).newest = c;
-            } else {
-                self.older[q.oldest as usize] = c;
-            }
-            self.queue_mut(small).oldest = c;
-        }
-        self.place[i] = if small { Place::Small } else { Place::Main };
-    }
-
-    /// Unlink `c` from the queue it is linked in (its place is left to the caller).
-    fn unlink(&mut self, c: ChunkId) {
-        let i = c as usize;
-        let small = self.place[i] == Place::Small;
-        let (prev, next) = (self.older[i], self.newer[i]);
-        if prev == NIL {
-            self.queue_mut(small).oldest = next;
-        } else {
-            self.newer[prev as usize] = next;
-        }
-        if next == NIL {
-            self.queue_mut(small).newest = prev;
-        } else {
-            self.older[next as usize] = prev;
-        }
-    }
-
-    /// The oldest ready, unprotected entry of S or M; not-ready entries met before it are parked.
-    fn first_candidate(
-        &mut self,
-        small: bool,
-        protected: &dyn Fn(ChunkId) -> bool,
-    ) -> Option<ChunkId> {
-        let mut c = self.queue_mut(small).oldest;
-        while c != NIL {
-            let next = self.newer[c as usize];
-            if !self.ready[c as usize] {
-                self.unlink(c);
-                self.place[c as usize] = if small {
-                    Place::ParkedSmall
-                } else {
-                    Place::ParkedMain
-                };
-            } else if !protected(c) {
-                return Some(c);
-            }
-            c = next;
-        }
-        None
-    }
-
-    /// Evict `c` (linked, ready) from its queue; an S victim's key becomes a ghost.
+    /// Evict `c` (linked, ready); an S victim's key becomes a ghost.
     fn drop_victim(&mut self, c: ChunkId, keys: &[KeySlot], out: &mut Vec<ChunkId>) {
-        let i = c as usize;
-        let small = self.place[i] == Place::Small;
-        self.unlink(c);
-        self.queue_mut(small).len -= 1;
-        self.place[i] = Place::Out;
-        self.ready[i] = false;
-        if small && self.main_cap > 0 {
-            let slot = &keys[i];
-            self.ghosts.insert(slot.key.clone(), ());
+        let from_small = self.queues.queue_of(c) == Some(SMALL);
+        self.queues.remove(c);
+        if from_small && self.main_cap > 0 {
+            self.ghosts.insert(keys[c as usize].key.clone(), ());
             while self.ghosts.len() > self.main_cap {
                 self.ghosts.pop_front();
             }
@@ -197,12 +79,11 @@ impl S3FifoPolicy {
         keys: &[KeySlot],
         out: &mut Vec<ChunkId>,
     ) -> bool {
-        while let Some(c) = self.first_candidate(false, protected) {
+        while let Some(c) = self.queues.first_candidate(MAIN, protected) {
             let i = c as usize;
             if self.freq[i] > 0 {
                 self.freq[i] -= 1;
-                self.unlink(c);
-                self.link(c, false, true);
+                self.queues.move_to(c, MAIN, true);
             } else {
                 self.drop_victim(c, keys, out);
                 return true;
@@ -222,15 +103,12 @@ impl S3FifoPolicy {
     ) -> bool {
         let before = out.len();
         while out.len() < target {
-            let Some(c) = self.first_candidate(true, protected) else {
+            let Some(c) = self.queues.first_candidate(SMALL, protected) else {
                 break;
             };
             if self.freq[c as usize] > 1 {
-                self.unlink(c);
-                self.small.len -= 1;
-                self.link(c, false, true);
-                self.main.len += 1;
-                if self.main.len > self.main_cap {
+                self.queues.move_to(c, MAIN, true);
+                if self.queues.len(MAIN) > self.main_cap {
                     self.evict_main(protected, keys, out);
                 }
             } else {
@@ -243,83 +121,44 @@ impl S3FifoPolicy {
 
     fn hit(&mut self, keys: &[Access<'_>]) {
         for a in keys {
-            if let Some(c) = a.chunk {
-                let i = c as usize;
-                if self.place[i] != Place::Out {
-                    self.freq[i] = (self.freq[i] + 1).min(MAX_FREQ);
-                }
+            if let Some(c) = a.chunk.filter(|&c| self.queues.queue_of(c).is_some()) {
+                let f = &mut self.freq[c as usize];
+                *f = (*f + 1).min(MAX_FREQ);
             }
         }
     }
 
-    /// The linked entries of a queue, oldest first.
-    fn listed(&self, q: Queue) -> Vec<ChunkId> {
-        let mut v = Vec::new();
-        let mut c = q.oldest;
-        while c != NIL && v.len() < self.place.len() {
-            v.push(c);
-            c = self.newer[c as usize];
-        }
-        v
-    }
-
-    /// `(chunk, frequency)` of S's or M's linked entries, oldest first.
-    fn freqs(&self, q: Queue) -> Vec<(ChunkId, u8)> {
-        self.listed(q)
-            .into_iter()
-            .map(|c| (c, self.freq[c as usize]))
-            .collect()
+    fn with_freq(&self, cs: Vec<ChunkId>) -> Vec<(ChunkId, u8)> {
+        cs.into_iter().map(|c| (c, self.freq[c as usize])).collect()
     }
 }
 
 impl CachePolicy for S3FifoPolicy {
     fn grow(&mut self, n: usize) {
-        if n > self.place.len() {
-            self.place.resize(n, Place::Out);
+        if n > self.freq.len() {
             self.freq.resize(n, 0);
-            self.ready.resize(n, false);
-            self.newer.resize(n, NIL);
-            self.older.resize(n, NIL);
+            self.queues.grow(n);
         }
     }
 
     fn insert(&mut self, chunk: ChunkId, key: Access<'_>, _rank: &mut RequestRank) {
-        let i = chunk as usize;
-        self.freq[i] = 0;
-        self.ready[i] = false;
+        self.freq[chunk as usize] = 0;
         let ghost = self
             .ghosts
             .raw_entry_mut()
             .from_key_hashed_nocheck(key.hash, key.key);
-        let small = match ghost {
-            hashlink::linked_hash_map::RawEntryMut::Occupied(e) => {
+        let queue = match ghost {
+            RawEntryMut::Occupied(e) => {
                 e.remove();
-                false
+                MAIN
             }
-            hashlink::linked_hash_map::RawEntryMut::Vacant(_) => true,
+            RawEntryMut::Vacant(_) => SMALL,
         };
-        self.link(chunk, small, true);
-        self.queue_mut(small).len += 1;
+        self.queues.insert(chunk, queue);
     }
 
     fn remove(&mut self, chunk: ChunkId) {
-        let i = chunk as usize;
-        let small = match self.place[i] {
-            Place::Out => return,
-            Place::Small => {
-                self.unlink(chunk);
-                true
-            }
-            Place::Main => {
-                self.unlink(chunk);
-                false
-            }
-            Place::ParkedSmall => true,
-            Place::ParkedMain => false,
-        };
-        self.queue_mut(small).len -= 1;
-        self.place[i] = Place::Out;
-        self.ready[i] = false;
+        self.queues.remove(chunk);
     }
 
     fn touch(&mut self, keys: &[Access<'_>], _refs: &RefCountTable) {
@@ -347,7 +186,7 @@ impl CachePolicy for S3FifoPolicy {
             // The order of the two steps matters (each has side effects); clippy reads `||` as
             // commutative.
             #[allow(clippy::if_same_then_else)]
-            let progressed = if self.small.len >= self.small_cap {
+            let progressed = if self.queues.len(SMALL) >= self.small_cap {
                 self.evict_small(protected, keys, out, target)
                     || self.evict_main(protected, keys, out)
             } else {
@@ -368,90 +207,44 @@ impl CachePolicy for S3FifoPolicy {
     }
 
     fn mark_evictable(&mut self, chunk: ChunkId) {
-        let i = chunk as usize;
-        self.ready[i] = true;
-        match self.place[i] {
-            Place::ParkedSmall => self.link(chunk, true, false),
-            Place::ParkedMain => self.link(chunk, false, false),
-            _ => {}
+        if self.queues.set_ready(chunk, true) {
+            // Parked: back at its queue's oldest end, where the scan would have examined it.
+            let q = self.queues.queue_of(chunk).unwrap_or(SMALL);
+            self.queues.move_to(chunk, q, false);
         }
     }
 
     fn mark_non_evictable(&mut self, chunk: ChunkId) {
-        self.ready[chunk as usize] = false;
+        self.queues.set_ready(chunk, false);
     }
 
     fn prefetch(&self, chunk: ChunkId) {
-        if let Some(x) = self.place.get(chunk as usize) {
+        if let Some(x) = self.freq.get(chunk as usize) {
             crate::index::prefetch(x);
         }
     }
 
     fn state(&self) -> PolicyState {
-        let parked = |p: Place| -> Vec<(ChunkId, u8)> {
-            (0..self.place.len())
-                .filter(|&i| self.place[i] == p)
-                .map(|i| (i as ChunkId, self.freq[i]))
-                .collect()
-        };
-        PolicyState::S3Fifo {
-            small: self.freqs(self.small),
-            main: self.freqs(self.main),
-            parked_small: parked(Place::ParkedSmall),
-            parked_main: parked(Place::ParkedMain),
+        PolicyState::Queues {
+            names: &["small", "main"],
+            linked: vec![
+                self.with_freq(self.queues.linked(SMALL)),
+                self.with_freq(self.queues.linked(MAIN)),
+            ],
+            parked: vec![
+                self.with_freq(self.queues.parked(SMALL)),
+                self.with_freq(self.queues.parked(MAIN)),
+            ],
             ghosts: self.ghosts.keys().cloned().collect(),
         }
     }
 
     fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()> {
+        self.queues.validate(resident, |c| refs.raw(c) == 0)?;
         ensure!(
-            resident.len() == self.place.len(),
-            "s3fifo: per-chunk arrays differ in length"
+            self.freq.iter().all(|&f| f <= MAX_FREQ),
+            "s3fifo: a frequency above 3"
         );
-        for (q, want, parked) in [
-            (self.small, Place::Small, Place::ParkedSmall),
-            (self.main, Place::Main, Place::ParkedMain),
-        ] {
-            let linked = self.listed(q);
-            let mut prev = NIL;
-            for &c in &linked {
-                ensure!(
-                    self.place[c as usize] == want && self.older[c as usize] == prev,
-                    "s3fifo: queue link broken at chunk {c}"
-                );
-                prev = c;
-            }
-            ensure!(prev == q.newest, "s3fifo: newest end is not the last entry");
-            let n = self
-                .place
-                .iter()
-                .filter(|&&p| p == want || p == parked)
-                .count();
-            ensure!(
-                n == q.len
-                    && linked.len() == n - self.place.iter().filter(|&&p| p == parked).count(),
-                "s3fifo: queue length drifted"
-            );
-        }
-        for (i, &res) in resident.iter().enumerate() {
-            let c = i as ChunkId;
-            ensure!(
-                res == (self.place[i] != Place::Out),
-                "s3fifo: chunk {i} residency differs from the index"
-            );
-            ensure!(
-                self.ready[i] == (res && refs.raw(c) == 0),
-                "s3fifo: chunk {i} ready flag is wrong"
-            );
-            ensure!(
-                !matches!(self.place[i], Place::ParkedSmall | Place::ParkedMain) || !self.ready[i],
-                "s3fifo: chunk {i} is ready but parked"
-            );
-            ensure!(
-                self.freq[i] <= MAX_FREQ,
-                "s3fifo: chunk {i} frequency above 3"
-            );
-        }
         ensure!(
             self.ghosts.len() <= self.main_cap,
             "s3fifo: ghost queue over its bound"
@@ -505,23 +298,17 @@ mod tests {
         p.touch(&[acc(0, &ks), acc(0, &ks), acc(1, &ks)], &refs);
         // 0 (frequency 2) moves to M; 1 (frequency 1) is evicted from S and becomes a ghost.
         assert_eq!(evict(&mut p, 2, &ks), vec![1, 2]);
-        let PolicyState::S3Fifo {
-            small,
-            main,
-            ghosts,
-            ..
-        } = p.state()
-        else {
+        let PolicyState::Queues { linked, ghosts, .. } = p.state() else {
             panic!()
         };
-        assert_eq!(main, vec![(0, 2)]);
-        assert_eq!(small.first(), Some(&(3, 0)));
+        assert_eq!(linked[1], vec![(0, 2)]);
+        assert_eq!(linked[0].first(), Some(&(3, 0)));
         assert_eq!(ghosts, vec![ks[1].key.clone(), ks[2].key.clone()]);
         add(&mut p, 1, &ks); // a ghost: straight into M
-        let PolicyState::S3Fifo { main, ghosts, .. } = p.state() else {
+        let PolicyState::Queues { linked, ghosts, .. } = p.state() else {
             panic!()
         };
-        assert_eq!((main.last(), ghosts.len()), (Some(&(1, 0)), 1));
+        assert_eq!((linked[1].last(), ghosts.len()), (Some(&(1, 0)), 1));
         let resident: Vec<bool> = (0..12).map(|i| i != 2 && i < 10).collect();
         let mut refs = RefCountTable::new(12);
         refs.grow(12);

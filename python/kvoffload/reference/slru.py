@@ -1,0 +1,110 @@
+"""Segmented LRU (Karedla, Love and Wherry, IEEE Computer 1994) with pinned chunks.
+
+Two LRU segments: probation for keys not hit since they were stored, protected (at most four
+fifths of the capacity) for keys hit at least once. A new key enters probation. A hit (a touch
+of a resident key, or a request's first access to one) moves the key to protected's most recent
+end; when that overfills protected, its least recent linked keys go back to probation's most
+recent end. Eviction takes probation's least recent key, or protected's when probation has none.
+Not-ready keys met by a scan park (see ``queues``) and re-enter at their segment's least recent
+end once ready; protected keys of the offer are passed over. The Rust ``SlruPolicy`` does exactly
+this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence, Set
+from typing import Any
+
+from kvoffload.reference.policy import CachePolicy, ChunkStatus, RequestContext, require
+from kvoffload.reference.queues import Queues
+
+__all__ = ["SlruPolicy"]
+
+
+class SlruPolicy(CachePolicy):
+    """Segmented LRU (``"slru"``); see the module docs."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.protected_cap = cache_capacity * 4 // 5
+        self.entries: dict[bytes, ChunkStatus] = {}
+        self.queues = Queues(("probation", "protected"))
+
+    def _ready(self, key: bytes) -> bool:
+        return self.entries[key].is_ready
+
+    def get(self, key: bytes) -> ChunkStatus | None:
+        """Return the status of a resident key, or None."""
+        return self.entries.get(key)
+
+    def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
+        """A new key enters probation."""
+        self.entries[key] = status
+        self.queues.insert(key, "probation")
+
+    def remove(self, key: bytes) -> None:
+        """Drop a failed store."""
+        self.queues.remove(key)
+        del self.entries[key]
+
+    def touch(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
+        """Hits: keys move to protected's most recent end."""
+        self.on_request_access(keys, req_context)
+
+    def on_request_access(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
+        """Hits: a request's first access to resident keys."""
+        for key in keys:
+            if key not in self.entries:
+                continue
+            self.queues.move_to(key, "protected")
+            while self.queues.lens["protected"] > self.protected_cap:
+                demoted = self.queues.oldest("protected")
+                if demoted is None:
+                    break  # every protected key is parked
+                self.queues.move_to(demoted, "probation")
+
+    def on_store_miss(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
+        """Nothing (the base class would touch)."""
+
+    def on_request_finished(
+        self,
+        groups: Sequence[Sequence[bytes]],
+        inserted_only: Set[bytes],
+        reused: Set[bytes],
+        req_context: RequestContext,
+    ) -> None:
+        """Nothing: the request's hits were counted when they happened."""
+
+    def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
+        """Evict ``n`` least recent keys, probation first (the manager checked feasibility)."""
+        victims = []
+        for _ in range(n):
+            key = self.queues.first_candidate("probation", self._ready, protected.__contains__)
+            if key is None:
+                key = self.queues.first_candidate("protected", self._ready, protected.__contains__)
+            if key is None:
+                return None  # unreachable: the manager asks only for feasible evictions
+            self.queues.remove(key)
+            victims.append((key, self.entries.pop(key)))
+        return victims
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self.__init__(self.cache_capacity)  # type: ignore[misc]
+
+    def mark_evictable(self, key: bytes) -> None:
+        """A parked key that is ready again re-enters at its segment's least recent end."""
+        if key in self.queues.parked:
+            self.queues.move_to(key, self.queues.queue_of[key], newest=False)
+
+    def items(self) -> Iterator[tuple[bytes, ChunkStatus]]:
+        """Every resident key with its status."""
+        return iter(list(self.entries.items()))
+
+    def state(self) -> dict[str, Any]:
+        """Both segments least recent first and parked keys (sorted), as the Rust core reports."""
+        return {"policy": "slru", **self.queues.state(lambda key: 0), "ghosts": []}
+
+    def check_invariants(self) -> None:
+        """Segments and residency agree."""
+        require(self.queues.check(set(self.entries)), "slru: segments do not match the residents")

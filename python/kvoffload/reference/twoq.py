@@ -1,0 +1,126 @@
+"""2Q (Johnson and Shasha, VLDB 1994), full version, with pinned chunks.
+
+A1in is a FIFO for keys seen once (a quarter of the capacity), Am an LRU for the rest, A1out a
+ghost FIFO of keys evicted from A1in (half the capacity). A new key enters A1in, or Am if it is a
+ghost. A hit (a touch of a resident key, or a request's first access to one) moves an Am key to
+Am's most recent end; a hit in A1in changes nothing. Eviction takes A1in's oldest key (its key
+becoming a ghost) while A1in holds more than its share, else Am's least recent; when the
+preferred queue has no candidate, the other gives the victim. Not-ready keys met by a scan park
+(see ``queues``) and re-enter at their queue's oldest end once ready; protected keys are passed
+over; a hit on a parked Am key links it at Am's most recent end. The Rust ``TwoQPolicy`` does
+exactly this.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence, Set
+from typing import Any
+
+from kvoffload.reference.policy import CachePolicy, ChunkStatus, RequestContext, require
+from kvoffload.reference.queues import Queues
+
+__all__ = ["TwoQPolicy"]
+
+
+class TwoQPolicy(CachePolicy):
+    """2Q (``"2q"``); see the module docs."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.kin = max(cache_capacity // 4, 1)
+        self.kout = max(cache_capacity // 2, 1)
+        self.entries: dict[bytes, ChunkStatus] = {}
+        self.queues = Queues(("a1in", "am"))
+        self.ghosts: OrderedDict[bytes, None] = OrderedDict()
+
+    def _ready(self, key: bytes) -> bool:
+        return self.entries[key].is_ready
+
+    def get(self, key: bytes) -> ChunkStatus | None:
+        """Return the status of a resident key, or None."""
+        return self.entries.get(key)
+
+    def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
+        """A new key enters A1in, or Am when it is a ghost (leaving A1out)."""
+        self.entries[key] = status
+        if key in self.ghosts:
+            del self.ghosts[key]
+            self.queues.insert(key, "am")
+        else:
+            self.queues.insert(key, "a1in")
+
+    def remove(self, key: bytes) -> None:
+        """Drop a failed store (no ghost)."""
+        self.queues.remove(key)
+        del self.entries[key]
+
+    def touch(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
+        """Hits: Am keys move to Am's most recent end."""
+        self.on_request_access(keys, req_context)
+
+    def on_request_access(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
+        """Hits: a request's first access to resident keys."""
+        for key in keys:
+            if self.queues.queue_of.get(key) == "am":
+                self.queues.move_to(key, "am")
+
+    def on_store_miss(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
+        """Nothing (the base class would touch)."""
+
+    def on_request_finished(
+        self,
+        groups: Sequence[Sequence[bytes]],
+        inserted_only: Set[bytes],
+        reused: Set[bytes],
+        req_context: RequestContext,
+    ) -> None:
+        """Nothing: the request's hits were counted when they happened."""
+
+    def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
+        """Evict ``n`` keys by the 2Q rule (the manager checked that ``n`` can be found)."""
+        victims = []
+        for _ in range(n):
+            order = ("a1in", "am") if self.queues.lens["a1in"] > self.kin else ("am", "a1in")
+            found = None
+            for queue in order:
+                key = self.queues.first_candidate(queue, self._ready, protected.__contains__)
+                if key is not None:
+                    found = (queue, key)
+                    break
+            if found is None:
+                return None  # unreachable: the manager asks only for feasible evictions
+            queue, key = found
+            self.queues.remove(key)
+            if queue == "a1in":
+                self.ghosts[key] = None
+                while len(self.ghosts) > self.kout:
+                    self.ghosts.popitem(last=False)
+            victims.append((key, self.entries.pop(key)))
+        return victims
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self.__init__(self.cache_capacity)  # type: ignore[misc]
+
+    def mark_evictable(self, key: bytes) -> None:
+        """A parked key that is ready again re-enters at its queue's oldest end."""
+        if key in self.queues.parked:
+            self.queues.move_to(key, self.queues.queue_of[key], newest=False)
+
+    def items(self) -> Iterator[tuple[bytes, ChunkStatus]]:
+        """Every resident key with its status."""
+        return iter(list(self.entries.items()))
+
+    def state(self) -> dict[str, Any]:
+        """A1in and Am oldest first, parked keys (sorted) and ghosts, as the Rust core reports."""
+        return {
+            "policy": "2q",
+            **self.queues.state(lambda key: 0),
+            "ghosts": list(self.ghosts),
+        }
+
+    def check_invariants(self) -> None:
+        """Queues and residency agree; A1out within its bound."""
+        require(self.queues.check(set(self.entries)), "2q: queues do not match the residents")
+        require(len(self.ghosts) <= self.kout, "2q: A1out over its bound")
