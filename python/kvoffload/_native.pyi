@@ -85,6 +85,7 @@ class HostMemory:
         shared_mode: str = "create_or_attach",
         attach_timeout: float = 30.0,
         janitor: list[str] | None = None,
+        test_creator_stall: tuple[float, bool] | None = None,
     ) -> HostMemory: ...
     @property
     def num_chunks(self) -> int: ...

@@ -136,7 +136,8 @@ impl HostMemory {
     #[new]
     #[pyo3(signature = (
         num_chunks, chunk_bytes, *, num_threads, lock_pages, huge_pages, shared_name=None,
-        shared_mode="create_or_attach", attach_timeout=30.0, janitor=None
+        shared_mode="create_or_attach", attach_timeout=30.0, janitor=None,
+        test_creator_stall=None
     ))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)] // Python keywords
     fn new(
@@ -150,6 +151,7 @@ impl HostMemory {
         shared_mode: &str,
         attach_timeout: f64,
         janitor: Option<Vec<OsString>>,
+        test_creator_stall: Option<(f64, bool)>,
     ) -> PyResult<Self> {
         let layout = ChunkLayout::new(num_chunks, chunk_bytes).map_err(|e| to_py(py, e))?;
         let mode = self::shared_mode(py, shared_mode)?;
@@ -178,6 +180,8 @@ impl HostMemory {
                     janitor,
                 }),
                 force_touch_prefault: false,
+                test_creator_stall: test_creator_stall
+                    .map(|(secs, fail)| (Duration::from_secs_f64(secs.clamp(0.0, 3600.0)), fail)),
             },
             num_threads,
         };

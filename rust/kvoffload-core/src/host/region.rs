@@ -53,6 +53,9 @@ pub struct RegionOptions {
     pub shared: Option<SharedOptions>,
     /// Pre-fault by touching each page even where `MADV_POPULATE_WRITE` exists (for tests).
     pub force_touch_prefault: bool,
+    /// For tests of the shared protocol: the creator of a shared region sleeps this long after
+    /// publishing it, then fails if `.1` (so attachers see a slow, failed or killed creator).
+    pub test_creator_stall: Option<(Duration, bool)>,
 }
 
 /// What happened while mapping.

@@ -310,6 +310,7 @@ impl Ctx<'_> {
         );
         let result = self
             .spawn_janitor(st.st_dev, st.st_ino)
+            .and_then(|()| self.test_stall())
             .and_then(|()| region.setup(self.options, true));
         match result {
             Ok(()) => {
@@ -330,6 +331,18 @@ impl Ctx<'_> {
                 Err(e)
             }
         }
+    }
+
+    fn test_stall(&self) -> Result<()> {
+        if let Some((pause, fail)) = self.options.test_creator_stall {
+            std::thread::sleep(pause);
+            if fail {
+                return Err(CoreError::SharedRegion(
+                    "injected creator failure (test)".into(),
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn spawn_janitor(&self, dev: u64, ino: u64) -> Result<()> {

@@ -1,0 +1,430 @@
+"""HostPool: exact sizes and alignment, zero-copy views and their lifetime, block transfers with
+every id and size checked before a byte moves, and the pinned state it reports."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvoffload import (
+    BlockIndexError,
+    CudaRegistrationError,
+    HostPool,
+    InvalidArgumentError,
+    KVOffloadError,
+    PageLockError,
+    PoolClosedError,
+    _cuda,
+    _native,
+)
+
+PAGE = mmap.PAGESIZE
+
+
+def owner_of(arr: np.ndarray[Any, Any]) -> object:
+    """The first non-array object down the ``.base`` chain."""
+    base: object = arr
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base
+
+
+# -- sizes and alignment ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("num_chunks", "chunk_bytes"),
+    [(1, 1), (3, 1000), (7, PAGE), (5, 3 * PAGE + 1), (1000, 48)],
+)
+def test_exact_size_page_aligned(num_chunks: int, chunk_bytes: int) -> None:
+    with HostPool(num_chunks, chunk_bytes, register_cuda=False) as pool:
+        total = num_chunks * chunk_bytes
+        assert pool.nbytes == total
+        stats = pool.stats()
+        assert stats.mapped_bytes == -(-total // PAGE) * PAGE  # the page, never a power of two
+        v = pool.view()
+        assert v.shape == (num_chunks, chunk_bytes)
+        assert v.dtype == np.uint8
+        assert v.nbytes == total
+        assert v.ctypes.data % PAGE == 0
+        assert v.flags.writeable and v.flags.c_contiguous
+        assert not v.any()  # fresh memory is zero
+        assert stats.prefault_method in ("madv-populate-write", "touch")
+        assert stats.prefault_gb_per_s > 0
+
+
+def test_huge_pages_are_aligned_to_2_mib() -> None:
+    with HostPool(3, 1 << 20, huge_pages=True, register_cuda=False) as pool:
+        assert pool.stats().huge_pages
+        assert pool.view().ctypes.data % (2 << 20) == 0
+        assert pool.stats().mapped_bytes == 3 << 20
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_chunks": 0, "chunk_bytes": 8},
+        {"num_chunks": 8, "chunk_bytes": 0},
+        {"num_chunks": -1, "chunk_bytes": 8},
+        {"num_chunks": True, "chunk_bytes": 8},
+        {"num_chunks": "4", "chunk_bytes": 8},
+        {"num_chunks": 2**62, "chunk_bytes": 2**62},
+        {"num_chunks": 4, "chunk_bytes": 8, "num_threads": 0},
+        {"num_chunks": 4, "chunk_bytes": 8, "register_cuda": "yes"},
+        {"num_chunks": 4, "chunk_bytes": 8, "shared_name": "a/b"},
+        {"num_chunks": 4, "chunk_bytes": 8, "shared_name": "x", "shared_mode": "maybe"},
+        {"num_chunks": 4, "chunk_bytes": 8, "shared_name": "x", "attach_timeout": -1.0},
+    ],
+)
+def test_bad_constructor_arguments(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgumentError):
+        HostPool(**kwargs)
+
+
+# -- views and their lifetime ---------------------------------------------------------------------
+
+
+def test_views_share_memory_and_are_owned() -> None:
+    pool = HostPool(4, 2 * 3 * 8 * 2, register_cuda=False)  # float16 [2, 3, 8] per chunk
+    whole = pool.view()
+    typed = pool.typed_view(np.float16, (2, 3, 8))
+    one = pool.chunk(2)
+    one_typed = pool.chunk(1, np.float16, (2, 3, 8))
+    assert typed.shape == (4, 2, 3, 8) and typed.dtype == np.float16
+    assert one.shape == (96,) and one_typed.shape == (2, 3, 8)
+    for arr in (whole, typed, one, one_typed):
+        assert isinstance(owner_of(arr), _native.HostMemoryOwner)
+    typed[3, 1, 2, 7] = 1.5
+    assert whole[3].view(np.float16)[1 * 24 + 2 * 8 + 7] == 1.5
+    one[0] = 9
+    assert whole[2, 0] == 9
+    one_typed[0, 0, 0] = -2.0
+    assert typed[1, 0, 0, 0] == -2.0
+    assert pool.chunk(3, np.float32).shape == (24,)
+    pool.close()
+
+
+def test_view_errors() -> None:
+    with HostPool(4, 96, register_cuda=False) as pool:
+        with pytest.raises(InvalidArgumentError):
+            pool.typed_view(np.float16, (2, 3, 7))
+        with pytest.raises(InvalidArgumentError):
+            pool.typed_view(object, (12,))
+        with pytest.raises(BlockIndexError):
+            pool.chunk(4)
+        with pytest.raises(InvalidArgumentError):
+            pool.chunk(-1)
+
+
+def test_dropping_the_pool_keeps_a_live_view_valid() -> None:
+    pool = HostPool(64, 4096, register_cuda=False)
+    view = pool.typed_view(np.uint32, (1024,))
+    view[:] = np.arange(64 * 1024, dtype=np.uint32).reshape(64, 1024)
+    del pool
+    gc.collect()
+    junk = [np.ones(1 << 16) for _ in range(64)]  # reuse freed memory, if any was freed
+    assert (view.ravel() == np.arange(64 * 1024, dtype=np.uint32)).all()
+    view[5, 5] = 7  # still writable, still ours
+    assert view[5, 5] == 7
+    del junk
+
+
+def test_close_defers_the_unmap_until_the_last_view_is_gone() -> None:
+    pool = HostPool(8, 1024, register_cuda=False)
+    view = pool.chunk(7)
+    view[:] = 0x5A
+    pool.close()
+    pool.close()  # idempotent
+    assert pool.closed
+    assert not pool.stats().released  # the view still holds the memory
+    assert (view == 0x5A).all()
+    with pytest.raises(PoolClosedError):
+        pool.view()
+    with pytest.raises(PoolClosedError):
+        pool.gather(np.zeros(1024, np.uint8), [0], [0])
+    with pytest.raises(PoolClosedError):
+        pool.submit_store(1, np.zeros(1024, np.uint8), [0], [0])
+    del view
+    gc.collect()
+    assert pool.stats().released
+
+
+# -- transfers ----------------------------------------------------------------------------------
+
+
+def pattern(n_blocks: int, block_bytes: int, seed: int = 0) -> np.ndarray[Any, Any]:
+    return np.random.default_rng(seed).integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gather_scatter_round_trip(threads: int) -> None:
+    block = 3000
+    with HostPool(16, 8192, num_threads=2, register_cuda=False) as pool:
+        src = pattern(32, block)
+        blocks = [31, 0, 7, 7, 12]  # a source block may be read twice
+        chunks = np.array([15, 0, 3, 4, 9], dtype=np.uint16)
+        pool.gather(src, blocks, chunks, block_bytes=block, chunk_offset=100, threads=threads)
+        view = pool.view()
+        for b, c in zip(blocks, chunks):
+            assert (view[c, 100 : 100 + block] == src[b]).all()
+        assert not view[1].any() and not view[15, :100].any()
+        dst = np.zeros_like(src)
+        pool.scatter(dst, [1, 2, 3, 4, 5], chunks, block_bytes=block, chunk_offset=100)
+        assert (dst[1:6] == src[blocks]).all()
+        assert not dst[6:].any() and not dst[0].any()
+
+
+def test_large_transfer_on_two_threads_matches_numpy() -> None:
+    with HostPool(8, 1 << 20, num_threads=2, register_cuda=False) as pool:
+        src = pattern(8, 1 << 20, seed=3)
+        order = [5, 2, 7, 0, 1, 6, 3, 4]
+        pool.gather(src, order, range(8), threads=2)
+        assert (pool.view() == src[order]).all()
+        back = np.empty_like(src)
+        pool.scatter(back, order, range(8), threads=2)
+        assert (back == src).all()
+
+
+def test_any_c_contiguous_buffer_is_a_source() -> None:
+    with HostPool(4, 64, register_cuda=False) as pool:
+        halves = np.arange(64, dtype=np.float16).reshape(2, 32)  # 2 blocks of 64 bytes
+        pool.gather(halves, [1], [0])
+        assert (pool.chunk(0, np.float16) == halves[1]).all()
+        pool.gather(bytearray(range(128)), [1], [1])
+        assert list(pool.chunk(1)) == list(range(64, 128))
+        pool.gather(bytes(range(64)), [0], [2])  # read-only is fine for a gather
+        out = bytearray(64)
+        pool.scatter(out, [0], [2])
+        assert out == bytes(range(64))
+        pool.scatter(memoryview(out), [0], [1])
+        assert out == bytes(range(64, 128))
+
+
+def test_torch_cpu_tensors_are_buffers() -> None:
+    torch = pytest.importorskip("torch")
+    with HostPool(4, 64, register_cuda=False) as pool:
+        src = torch.arange(64, dtype=torch.bfloat16).reshape(2, 32)
+        pool.gather(src, [1], [3])
+        dst = torch.zeros(2, 32, dtype=torch.bfloat16)
+        pool.scatter(dst, [0], [3])
+        assert torch.equal(dst[0], src[1])
+        with pytest.raises(InvalidArgumentError):
+            pool.gather(src.t(), [0], [0])
+
+
+def filled(pool: HostPool) -> np.ndarray[Any, Any]:
+    pool.view()[:] = 0xAB
+    return pool.view().copy()
+
+
+BAD_TRANSFERS: list[tuple[str, dict[str, Any], type[Exception]]] = [
+    ("block id past the end", {"blocks": [0, 1, 8]}, BlockIndexError),
+    ("negative block id", {"blocks": [0, 1, -1]}, BlockIndexError),
+    ("chunk id past the end", {"chunks": [0, 1, 4]}, BlockIndexError),
+    ("huge unsigned id", {"chunks": np.array([0, 1, 2**64 - 1], np.uint64)}, BlockIndexError),
+    ("lengths differ", {"chunks": [0, 1]}, InvalidArgumentError),
+    ("duplicate chunk", {"chunks": [0, 1, 0]}, InvalidArgumentError),
+    ("float ids", {"blocks": [0.0, 1.0, 2.0]}, InvalidArgumentError),
+    ("2-d ids", {"blocks": [[0, 1, 2]]}, InvalidArgumentError),
+    ("ids not ints", {"blocks": ["a", "b", "c"]}, InvalidArgumentError),
+    ("block too big for a chunk", {"block_bytes": 96}, InvalidArgumentError),
+    ("offset pushes out", {"chunk_offset": 40}, InvalidArgumentError),
+    ("partial blocks", {"block_bytes": 24, "chunk_offset": 0}, InvalidArgumentError),
+    ("zero block bytes", {"block_bytes": 0}, InvalidArgumentError),
+    ("non-contiguous buffer", {"src": np.zeros((8, 64), np.uint8)[:, ::2]}, InvalidArgumentError),
+    ("object buffer", {"src": np.array([None] * 8)}, InvalidArgumentError),
+    ("not a buffer", {"src": [1, 2, 3]}, InvalidArgumentError),
+    ("negative threads", {"threads": -1}, InvalidArgumentError),
+]
+
+
+@pytest.mark.parametrize(("case", "change", "exc"), BAD_TRANSFERS, ids=[c[0] for c in BAD_TRANSFERS])
+def test_bad_gather_raises_and_writes_nothing(
+    case: str, change: dict[str, Any], exc: type[Exception]
+) -> None:
+    with HostPool(4, 64, register_cuda=False) as pool:
+        before = filled(pool)
+        args: dict[str, Any] = {
+            "src": pattern(8, 32),
+            "blocks": [0, 1, 2],
+            "chunks": [3, 2, 1],
+            "block_bytes": 32,
+            "chunk_offset": 16,
+            "threads": None,
+        } | change
+        with pytest.raises(exc) as info:
+            pool.gather(
+                args["src"],
+                args["blocks"],
+                args["chunks"],
+                block_bytes=args["block_bytes"],
+                chunk_offset=args["chunk_offset"],
+                threads=args["threads"],
+            )
+        assert isinstance(info.value, KVOffloadError)
+        assert (pool.view() == before).all()
+        # The same arguments as a queued job are refused at submit: nothing runs.
+        if case != "negative threads":
+            with pytest.raises(exc):
+                pool.submit_store(
+                    7,
+                    args["src"],
+                    args["blocks"],
+                    args["chunks"],
+                    block_bytes=args["block_bytes"],
+                    chunk_offset=args["chunk_offset"],
+                )
+            assert pool.stats().jobs_in_flight == 0
+            assert pool.get_finished() == []
+        assert (pool.view() == before).all()
+
+
+def test_bad_scatter_raises_and_writes_nothing() -> None:
+    with HostPool(4, 64, register_cuda=False) as pool:
+        filled(pool)
+        dst = pattern(8, 64, seed=1)
+        before = dst.copy()
+        with pytest.raises(BlockIndexError):
+            pool.scatter(dst, [0, 1, 8], [0, 1, 2])
+        with pytest.raises(InvalidArgumentError, match="destination twice"):
+            pool.scatter(dst, [5, 6, 5], [0, 1, 2])
+        with pytest.raises(InvalidArgumentError, match="read-only"):
+            pool.scatter(bytes(512), [0], [0])
+        frozen = dst.copy()
+        frozen.flags.writeable = False
+        with pytest.raises(InvalidArgumentError, match="read-only"):
+            pool.scatter(frozen, [0], [0])
+        assert (dst == before).all()
+
+
+def test_the_pool_cannot_be_its_own_buffer() -> None:
+    with HostPool(4, 64, register_cuda=False) as pool:
+        with pytest.raises(InvalidArgumentError, match="overlaps"):
+            pool.gather(pool.view(), [0], [1])
+        with pytest.raises(InvalidArgumentError, match="overlaps"):
+            pool.scatter(pool.chunk(3), [0], [1], block_bytes=64)
+
+
+# -- pinned state -------------------------------------------------------------------------------
+
+
+def test_pageable_by_default_without_a_cuda_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_cuda, "load_runtime", lambda: None)
+    with HostPool(2, 4096) as pool:
+        assert pool.pinned == "pageable"
+        stats = pool.stats()
+        assert stats.pinned == "pageable" and not stats.locked
+        assert "no CUDA runtime" in stats.pinned_reason
+    with pytest.raises(CudaRegistrationError, match="no CUDA runtime"):
+        HostPool(2, 4096, register_cuda=True)
+
+
+def test_page_locked_when_mlock_succeeds() -> None:
+    with HostPool(2, 4096, lock_pages=True, register_cuda=False) as pool:
+        assert pool.pinned == "page-locked"
+        assert pool.stats().locked
+
+
+LOW_MEMLOCK = textwrap.dedent(
+    """
+    import resource
+    from kvoffload import HostPool, PageLockError
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20))
+    try:
+        HostPool(4, 1 << 20, lock_pages=True, register_cuda=False)
+    except PageLockError as e:
+        print("PageLockError:", e)
+    else:
+        print("locked")
+    """
+)
+
+
+def test_mlock_failure_names_rlimit_memlock() -> None:
+    cmd = [sys.executable, "-c", LOW_MEMLOCK]
+    if os.geteuid() == 0:  # root has CAP_IPC_LOCK, which ignores the limit: drop it
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv to drop CAP_IPC_LOCK")
+        cmd = [setpriv, "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock", *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.startswith("PageLockError:"), out
+    assert "RLIMIT_MEMLOCK is 1048576 bytes" in out
+    assert issubclass(PageLockError, OSError)
+
+
+class FakeCudart:
+    """Records the calls a pool makes into a CUDA runtime (plain functions: ctypes-style
+    attributes such as ``argtypes`` are set on them)."""
+
+    def __init__(self, devices: int = 1, fail_at: int | None = None) -> None:
+        self.registered: list[tuple[int, int, int]] = []
+        self.unregistered: list[int] = []
+
+        def register(ptr: Any, size: int, flags: int) -> int:
+            if fail_at is not None and len(self.registered) == fail_at:
+                return 2
+            self.registered.append((ptr.value, size, flags))
+            return 0
+
+        def unregister(ptr: Any) -> int:
+            self.unregistered.append(ptr.value)
+            return 0
+
+        def count(out: Any) -> int:
+            if devices == 0:
+                return 100
+            out._obj.value = devices
+            return 0
+
+        def error_string(code: int) -> bytes:
+            return b"fake error"
+
+        self.cudaHostRegister = register
+        self.cudaHostUnregister = unregister
+        self.cudaGetDeviceCount = count
+        self.cudaGetErrorString = error_string
+
+
+def test_cuda_registration_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeCudart()
+    monkeypatch.setattr(_cuda, "load_runtime", lambda: fake)
+    monkeypatch.setattr(_cuda, "MAX_PIECE_BYTES", 3 * PAGE)
+    pool = HostPool(8, PAGE)
+    assert pool.pinned == "cuda-registered"
+    assert pool.stats().pinned == "cuda-registered"
+    base = pool.view().ctypes.data
+    assert fake.registered == [
+        (base, 3 * PAGE, 1),
+        (base + 3 * PAGE, 3 * PAGE, 1),
+        (base + 6 * PAGE, 2 * PAGE, 1),
+    ]
+    pool.close()
+    assert fake.unregistered == [base, base + 3 * PAGE, base + 6 * PAGE]
+    assert _cuda.pieces(0, 10, 4) == [(0, 4), (4, 4), (8, 2)]
+    assert _cuda.MAX_PIECE_BYTES == 3 * PAGE  # the real default is 64 GiB, patched here
+
+
+def test_cuda_failures_are_loud(monkeypatch: pytest.MonkeyPatch) -> None:
+    no_device = FakeCudart(devices=0)
+    monkeypatch.setattr(_cuda, "load_runtime", lambda: no_device)
+    with HostPool(2, PAGE) as pool:
+        assert pool.pinned == "pageable"
+        assert "no usable device" in pool.stats().pinned_reason
+    with pytest.raises(CudaRegistrationError, match="no CUDA device"):
+        HostPool(2, PAGE, register_cuda=True)
+    broken = FakeCudart(fail_at=1)
+    monkeypatch.setattr(_cuda, "load_runtime", lambda: broken)
+    monkeypatch.setattr(_cuda, "MAX_PIECE_BYTES", PAGE)
+    with pytest.raises(CudaRegistrationError, match="fake error"):
+        HostPool(2, PAGE)
+    assert [p for p, _, _ in broken.registered] == broken.unregistered  # undone
