@@ -56,7 +56,8 @@ def test_exact_size_page_aligned(num_chunks: int, chunk_bytes: int) -> None:
         assert v.dtype == np.uint8
         assert v.nbytes == total
         assert v.ctypes.data % PAGE == 0
-        assert v.flags.writeable and v.flags.c_contiguous
+        assert v.flags.writeable
+        assert v.flags.c_contiguous
         assert not v.any()  # fresh memory is zero
         assert stats.prefault_method in ("madv-populate-write", "touch")
         assert stats.prefault_gb_per_s > 0
@@ -99,8 +100,10 @@ def test_views_share_memory_and_are_owned() -> None:
     typed = pool.typed_view(np.float16, (2, 3, 8))
     one = pool.chunk(2)
     one_typed = pool.chunk(1, np.float16, (2, 3, 8))
-    assert typed.shape == (4, 2, 3, 8) and typed.dtype == np.float16
-    assert one.shape == (96,) and one_typed.shape == (2, 3, 8)
+    assert typed.shape == (4, 2, 3, 8)
+    assert typed.dtype == np.float16
+    assert one.shape == (96,)
+    assert one_typed.shape == (2, 3, 8)
     for arr in (whole, typed, one, one_typed):
         assert isinstance(owner_of(arr), _native.HostMemoryOwner)
     typed[3, 1, 2, 7] = 1.5
@@ -174,13 +177,15 @@ def test_gather_scatter_round_trip(threads: int) -> None:
         chunks = np.array([15, 0, 3, 4, 9], dtype=np.uint16)
         pool.gather(src, blocks, chunks, block_bytes=block, chunk_offset=100, threads=threads)
         view = pool.view()
-        for b, c in zip(blocks, chunks):
+        for b, c in zip(blocks, chunks, strict=True):
             assert (view[c, 100 : 100 + block] == src[b]).all()
-        assert not view[1].any() and not view[15, :100].any()
+        assert not view[1].any()
+        assert not view[15, :100].any()
         dst = np.zeros_like(src)
         pool.scatter(dst, [1, 2, 3, 4, 5], chunks, block_bytes=block, chunk_offset=100)
         assert (dst[1:6] == src[blocks]).all()
-        assert not dst[6:].any() and not dst[0].any()
+        assert not dst[6:].any()
+        assert not dst[0].any()
 
 
 def test_large_transfer_on_two_threads_matches_numpy() -> None:
@@ -247,7 +252,9 @@ BAD_TRANSFERS: list[tuple[str, dict[str, Any], type[Exception]]] = [
 ]
 
 
-@pytest.mark.parametrize(("case", "change", "exc"), BAD_TRANSFERS, ids=[c[0] for c in BAD_TRANSFERS])
+@pytest.mark.parametrize(
+    ("case", "change", "exc"), BAD_TRANSFERS, ids=[c[0] for c in BAD_TRANSFERS]
+)
 def test_bad_gather_raises_and_writes_nothing(
     case: str, change: dict[str, Any], exc: type[Exception]
 ) -> None:
@@ -322,7 +329,8 @@ def test_pageable_by_default_without_a_cuda_runtime(monkeypatch: pytest.MonkeyPa
     with HostPool(2, 4096) as pool:
         assert pool.pinned == "pageable"
         stats = pool.stats()
-        assert stats.pinned == "pageable" and not stats.locked
+        assert stats.pinned == "pageable"
+        assert not stats.locked
         assert "no CUDA runtime" in stats.pinned_reason
     with pytest.raises(CudaRegistrationError, match="no CUDA runtime"):
         HostPool(2, 4096, register_cuda=True)
