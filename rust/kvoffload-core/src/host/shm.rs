@@ -479,10 +479,7 @@ impl Ctx<'_> {
                 _ => {}
             }
             let pid = h.creator_pid.load(Ordering::Relaxed);
-            // SAFETY: kill with signal 0 only checks whether the process exists.
-            let gone = unsafe { libc::kill(pid, 0) } != 0
-                && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
-            if gone {
+            if !process_alive(pid) {
                 return Err(CoreError::SharedRegion(format!(
                     "the creator of {} (pid {pid}) exited before the region was ready",
                     self.path
@@ -497,6 +494,26 @@ impl Ctx<'_> {
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(20));
         }
+    }
+}
+
+/// Whether process `pid` exists and has not exited (a zombie, not yet reaped by its parent,
+/// counts as exited).
+fn process_alive(pid: i32) -> bool {
+    // SAFETY: kill with signal 0 only checks whether the process exists.
+    let exists = unsafe { libc::kill(pid, 0) } == 0
+        || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH);
+    if !exists {
+        return false;
+    }
+    // /proc/<pid>/stat: "pid (comm) S ..."; the state follows the last ')'.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !matches!(
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next()),
+            Some('Z' | 'X')
+        ),
+        Err(_) => true, // no /proc: trust kill
     }
 }
 
@@ -552,6 +569,17 @@ mod tests {
             .err()
             .unwrap();
         assert!(err.to_string().contains("no shared region"), "{err}");
+    }
+
+    #[test]
+    fn zombies_are_not_alive() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id() as i32;
+        std::thread::sleep(Duration::from_millis(200)); // it exits; we have not reaped it
+        assert!(!process_alive(pid));
+        child.wait().unwrap();
+        // SAFETY: getpid has no preconditions.
+        assert!(process_alive(unsafe { libc::getpid() }));
     }
 
     #[test]
