@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 from kvoffload import (
     BlockIndexError,
     CudaRegistrationError,
+    HostMemoryError,
     HostPool,
     InvalidArgumentError,
     KVOffloadError,
@@ -436,3 +438,30 @@ def test_cuda_failures_are_loud(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(CudaRegistrationError, match="fake error"):
         HostPool(2, PAGE)
     assert [p for p, _, _ in broken.registered] == broken.unregistered  # undone
+
+
+def test_more_memory_than_the_machine_has_is_an_error() -> None:
+    with pytest.raises(HostMemoryError, match=r"MemAvailable|mmap"):
+        HostPool(1 << 20, 1 << 30, register_cuda=False)  # 1 PiB
+
+
+def test_a_forked_child_copies_without_the_parents_threads() -> None:
+    pool = HostPool(8, 1 << 20, num_threads=2, register_cuda=False)
+    src = np.full((8, 1 << 20), 3, np.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork of a threaded process
+        pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        code = 1
+        try:
+            pool.gather(src, range(8), range(8), threads=2)  # runs inline, no hang
+            try:
+                pool.submit_store(1, src, [0], [0])
+            except InvalidArgumentError:
+                code = 0 if (pool.view() == 3).all() else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not pool.view().any()  # the child's private copy-on-write pages, not ours
+    pool.close()

@@ -79,6 +79,8 @@ pub struct HostPool {
     threads: Arc<rayon::ThreadPool>,
     num_threads: usize,
     jobs: JobQueue,
+    /// The process that made the pool: a forked child has the memory but not the threads.
+    pid: u32,
 }
 
 impl HostPool {
@@ -97,6 +99,7 @@ impl HostPool {
             threads: Arc::new(threads),
             num_threads,
             jobs: JobQueue::new(),
+            pid: std::process::id(),
         })
     }
 
@@ -116,6 +119,11 @@ impl HostPool {
     #[must_use]
     pub fn num_threads(&self) -> usize {
         self.num_threads
+    }
+
+    /// Whether this process is a fork of the one that made the pool.
+    fn forked(&self) -> bool {
+        std::process::id() != self.pid
     }
 
     /// The job queue (results and waits).
@@ -138,7 +146,9 @@ impl HostPool {
         threads: usize,
     ) -> Result<()> {
         let plan = transfer::plan(&self.region, self.layout, direction, buf, spec)?;
-        let threads = if threads == 0 {
+        let threads = if self.forked() {
+            1 // the worker threads stayed in the parent
+        } else if threads == 0 {
             self.num_threads
         } else {
             threads.min(self.num_threads)
@@ -173,6 +183,13 @@ impl HostPool {
         buf: RawBuf,
         spec: &TransferSpec<'_>,
     ) -> Result<()> {
+        if self.forked() {
+            return Err(CoreError::InvalidArgument(
+                "this pool was made before a fork: its job threads are in the parent process; \
+                 use gather/scatter here, or make or attach a pool in this process"
+                    .into(),
+            ));
+        }
         let plan = transfer::plan(&self.region, self.layout, direction, buf, spec)?;
         let threads = self.num_threads;
         let region = Arc::clone(&self.region);

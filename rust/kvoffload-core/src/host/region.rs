@@ -102,6 +102,28 @@ pub fn page_size() -> usize {
     usize::try_from(n).unwrap_or(4096)
 }
 
+/// Refuse to pre-fault more memory than the kernel reports available: touching it all would
+/// summon the OOM killer instead of returning an error.
+pub(crate) fn check_available(bytes: usize) -> Result<()> {
+    let Ok(info) = std::fs::read_to_string("/proc/meminfo") else {
+        return Ok(()); // no /proc: let the kernel decide
+    };
+    let available = info.lines().find_map(|l| {
+        let kib = l
+            .strip_prefix("MemAvailable:")?
+            .trim()
+            .strip_suffix("kB")?
+            .trim();
+        kib.parse::<u64>().ok().map(|k| k.saturating_mul(1024))
+    });
+    match available {
+        Some(avail) if bytes as u64 > avail => Err(CoreError::Os(format!(
+            "a pool of {bytes} bytes does not fit in the {avail} bytes of memory available              (MemAvailable); ask for fewer or smaller chunks"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// `errno` of the last failed call, as an error.
 pub(crate) fn last_os_error(what: &str) -> CoreError {
     CoreError::Os(format!("{what} failed: {}", io::Error::last_os_error()))
@@ -115,6 +137,7 @@ impl Region {
         let data_len = len.div_ceil(page) * page;
         match &options.shared {
             None => {
+                check_available(data_len)?;
                 let mut region = Self::anonymous(len, data_len, options.huge_pages)?;
                 region.setup(options, true)?;
                 Ok(region)
@@ -394,6 +417,13 @@ mod tests {
         assert!(r.info().huge_pages);
         assert_eq!(r.as_ptr() as usize % HUGE_PAGE_BYTES, 0);
         assert_eq!(r.mapped_len(), 5 * HUGE_PAGE_BYTES);
+    }
+
+    #[test]
+    fn more_than_the_machine_has_is_an_error_not_an_oom_kill() {
+        let huge = ChunkLayout::new(1 << 20, 1 << 30).unwrap(); // 1 PiB
+        let err = Region::new(huge, &opts()).err().unwrap();
+        assert!(matches!(err, CoreError::Os(_)), "{err}");
     }
 
     #[test]

@@ -241,6 +241,7 @@ impl Ctx<'_> {
         // SAFETY: `raw` is a fresh descriptor that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         let total = self.page + self.data_len;
+        super::region::check_available(total)?;
         let size = libc::off_t::try_from(total)
             .map_err(|_| CoreError::InvalidArgument("region too large".into()))?;
         // SAFETY: lock and size our own descriptor. fallocate reserves the memory now, so a full
