@@ -11,6 +11,7 @@ host image: any C-contiguous buffer) and its chunks, in Rust with the GIL releas
 from __future__ import annotations
 
 import math
+import operator
 import os
 import sys
 import weakref
@@ -59,11 +60,16 @@ class HostPoolStats:
 
 
 def _count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise InvalidArgumentError(f"{name} must be at least {minimum}, got {value}")
-    return value
+    """An int (Python or numpy integer, not bool) of at least ``minimum``."""
+    if isinstance(value, (bool, np.bool_)):
+        raise InvalidArgumentError(f"{name} must be an int, got bool")
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__}") from None
+    if n < minimum:
+        raise InvalidArgumentError(f"{name} must be at least {minimum}, got {n}")
+    return n
 
 
 def _ids(name: str, ids: object) -> npt.NDArray[np.int64]:
