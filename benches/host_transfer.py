@@ -4,6 +4,7 @@ For each block size, a fresh pool of ``total / block`` chunks of one block is cr
 pre-fault rate is recorded), then, interleaved and best of ``--repeat``:
 
 - numpy: ``np.copyto(dst, src)``, one contiguous copy of all the bytes (the baseline);
+- numpy rows: ``dst[chunk_order] = src``, the same block permutation done by numpy (for context);
 - gather: every block of ``src`` into the pool, in a random chunk order;
 - scatter: every chunk back into a random block order of a second buffer.
 
@@ -55,12 +56,13 @@ def measure(total: int, block: int, threads: list[int], repeat: int) -> dict[str
         "prefault_gb_s": stats.prefault_gb_per_s,
         "create_s": create_s,
     }
-    timings: dict[str, list[float]] = {"numpy": []}
+    timings: dict[str, list[float]] = {"numpy": [], "numpy_rows": []}
     for t in threads:
         timings[f"gather_t{t}"] = []
         timings[f"scatter_t{t}"] = []
     for _ in range(repeat):  # interleaved, so drift on a shared machine hits all alike
         timings["numpy"].append(best(lambda: np.copyto(dst, src), 1))
+        timings["numpy_rows"].append(best(lambda: dst.__setitem__(chunk_order, src), 1))
         for t in threads:
             timings[f"gather_t{t}"].append(
                 best(lambda t=t: pool.gather(src, np.arange(n), chunk_order, threads=t), 1)
@@ -81,14 +83,18 @@ def measure(total: int, block: int, threads: list[int], repeat: int) -> dict[str
 
 
 def table(rows: list[dict[str, Any]], threads: list[int]) -> str:
-    cols = ["block", "numpy GB/s"]
+    cols = ["block", "numpy copy GB/s", "numpy rows GB/s"]
     for t in threads:
         cols += [f"gather {t}T GB/s (ratio)", f"scatter {t}T GB/s (ratio)"]
     cols += ["pre-fault GB/s"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
     for r in rows:
         kib = r["block_bytes"] // 1024
-        cells = [f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB", f"{r['numpy_gb_s']:.2f}"]
+        cells = [
+            f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB",
+            f"{r['numpy_gb_s']:.2f}",
+            f"{r['numpy_rows_gb_s']:.2f}",
+        ]
         for t in threads:
             for op in ("gather", "scatter"):
                 cells.append(f"{r[f'{op}_t{t}_gb_s']:.2f} ({r[f'{op}_t{t}_ratio']:.2f})")

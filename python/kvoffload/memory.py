@@ -195,6 +195,7 @@ class HostPool:
             attach_timeout=float(attach_timeout),
             janitor=_JANITOR if shared_name is not None else None,
         )
+        self._mapped_bytes = int(self._mem.mapped_bytes)
         self._registration: _cuda.CudaRegistration | None = None
         try:
             self._pinned_reason = self._register(register_cuda)
@@ -218,7 +219,7 @@ class HostPool:
             if mode is True:
                 raise CudaRegistrationError(f"register_cuda=True but no CUDA device: {why}")
             return f"CUDA runtime found but no usable device ({why or 'none visible'})"
-        self._registration = _cuda.register(lib, self._mem.address, self._mem.mapped_bytes)
+        self._registration = _cuda.register(lib, self._mem.address, self._mapped_bytes)
         return f"cudaHostRegister in {len(self._registration.ranges)} piece(s)"
 
     # -- facts -------------------------------------------------------------------------------
@@ -258,7 +259,7 @@ class HostPool:
     def stats(self) -> HostPoolStats:
         """The pool's facts, pinned state and pre-fault rate."""
         method, seconds, locked, huge, path, creator = self._info
-        mapped = self.nbytes if self.closed else int(self._mem.mapped_bytes)
+        mapped = self._mapped_bytes
         rate = mapped / seconds / 1e9 if seconds > 0 else math.inf
         return HostPoolStats(
             num_chunks=self.num_chunks,
