@@ -5,8 +5,9 @@ pre-fault rate is recorded), then, interleaved and best of ``--repeat``:
 
 - numpy: ``np.copyto(dst, src)``, one contiguous copy of all the bytes (the baseline);
 - numpy rows: ``dst[chunk_order] = src``, the same block permutation done by numpy (for context);
-- gather: every block of ``src`` into the pool, in a random chunk order;
-- scatter: every chunk back into a random block order of a second buffer.
+- gather: every block of ``src``, in a random block order, into the pool in a random chunk order;
+- scatter: every chunk, in a random chunk order, back into a random block order of a second
+  buffer (both sides scattered, as with real block tables).
 
 The ratio is numpy time / kvoffload time (1.0 = as fast as numpy's single copy).
 
@@ -36,7 +37,9 @@ def best(fn: Callable[[], None], repeat: int) -> float:
     return min(times)
 
 
-def measure(total: int, block: int, threads: list[int], repeat: int) -> dict[str, Any]:
+def measure(
+    total: int, block: int, threads: list[int], repeat: int, huge_pages: bool
+) -> dict[str, Any]:
     n = total // block
     src = np.ones((n, block), np.uint8)  # written, so every page is faulted in
     dst = np.zeros_like(src)
@@ -45,7 +48,7 @@ def measure(total: int, block: int, threads: list[int], repeat: int) -> dict[str
     chunk_order = rng.permutation(n)
     block_order = rng.permutation(n)
     t0 = time.perf_counter()
-    pool = HostPool(n, block, num_threads=max(threads), register_cuda=False)
+    pool = HostPool(n, block, num_threads=max(threads), huge_pages=huge_pages, register_cuda=False)
     create_s = time.perf_counter() - t0
     stats = pool.stats()
     row: dict[str, Any] = {
@@ -65,7 +68,7 @@ def measure(total: int, block: int, threads: list[int], repeat: int) -> dict[str
         timings["numpy_rows"].append(best(lambda: dst.__setitem__(chunk_order, src), 1))
         for t in threads:
             timings[f"gather_t{t}"].append(
-                best(lambda t=t: pool.gather(src, np.arange(n), chunk_order, threads=t), 1)
+                best(lambda t=t: pool.gather(src, block_order, chunk_order, threads=t), 1)
             )
             timings[f"scatter_t{t}"].append(
                 best(lambda t=t: pool.scatter(back, block_order, chunk_order, threads=t), 1)
@@ -109,12 +112,13 @@ def main() -> None:
     p.add_argument("--block-kib", type=int, nargs="+", default=[64, 256, 1024, 2048])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--huge-pages", action="store_true", help="pools with MADV_HUGEPAGE")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--markdown", action="store_true", help="print a markdown table only")
     args = p.parse_args()
     rows = []
     for kib in args.block_kib:
-        row = measure(args.total_mib << 20, kib << 10, args.threads, args.repeat)
+        row = measure(args.total_mib << 20, kib << 10, args.threads, args.repeat, args.huge_pages)
         rows.append(row)
         if not args.markdown:
             print(json.dumps(row), flush=True)

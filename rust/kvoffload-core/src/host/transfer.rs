@@ -231,7 +231,7 @@ impl Plan {
         let run = |group: &[(usize, usize, usize)]| {
             for (i, piece) in group.iter().enumerate() {
                 if let Some(next) = group.get(i + 1) {
-                    prefetch(source(next), PREFETCH_AHEAD);
+                    prefetch(source(next), NEXT_PIECE_PREFETCH);
                 }
                 copy(piece);
             }
@@ -255,6 +255,9 @@ pub const STREAMING_MIN_BYTES: usize = 16 << 10;
 
 /// How far ahead of the copy the source is prefetched (a hint: past the end is harmless).
 const PREFETCH_AHEAD: usize = 512;
+
+/// How much of the next piece's source is prefetched while the current piece is copied.
+const NEXT_PIECE_PREFETCH: usize = 4096;
 
 /// Copy `n` bytes; streaming stores for large pieces on x86-64, `memcpy` otherwise. The caller
 /// runs [`store_fence`] on this thread before publishing that the copy is done.
