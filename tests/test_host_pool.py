@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -65,11 +66,34 @@ def test_exact_size_page_aligned(num_chunks: int, chunk_bytes: int) -> None:
         assert stats.prefault_gb_per_s > 0
 
 
+def thp_mode(knob: str) -> str:
+    try:
+        text = Path(f"/sys/kernel/mm/transparent_hugepage/{knob}").read_text()
+    except OSError:
+        return "unavailable"
+    return text.split("[")[1].split("]")[0]
+
+
 def test_huge_pages_are_aligned_to_2_mib() -> None:
+    if thp_mode("enabled") in ("never", "unavailable"):
+        with pytest.raises(HostMemoryError, match="huge_pages=True"):
+            HostPool(3, 1 << 20, huge_pages=True, register_cuda=False)
+        return
     with HostPool(3, 1 << 20, huge_pages=True, register_cuda=False) as pool:
         assert pool.stats().huge_pages
         assert pool.view().ctypes.data % (2 << 20) == 0
         assert pool.stats().mapped_bytes == 3 << 20
+
+
+def test_huge_pages_the_kernel_would_ignore_are_refused() -> None:
+    name = f"thp-{os.getpid()}"
+    if thp_mode("shmem_enabled") in ("never", "deny", "unavailable"):
+        with pytest.raises(HostMemoryError, match="shmem_enabled"):
+            HostPool(2, 4096, huge_pages=True, shared_name=name, register_cuda=False)
+    else:
+        with HostPool(2, 4096, huge_pages=True, shared_name=name, register_cuda=False) as pool:
+            assert pool.stats().huge_pages
+    assert not Path(f"/dev/shm/kvoffload.{name}").exists()
 
 
 @pytest.mark.parametrize(

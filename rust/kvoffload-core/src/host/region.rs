@@ -231,6 +231,7 @@ impl Region {
     pub(crate) fn setup(&mut self, options: &RegionOptions, write_touch: bool) -> Result<()> {
         let (ptr, len) = (self.data.as_ptr().cast::<libc::c_void>(), self.data_len);
         if options.huge_pages {
+            thp_enabled(self.shm.is_some())?;
             // SAFETY: advice on our own mapping; it changes no contents.
             if unsafe { libc::madvise(ptr, len, libc::MADV_HUGEPAGE) } != 0 {
                 return Err(last_os_error(
@@ -308,6 +309,31 @@ impl Drop for Region {
             shm.release();
         }
     }
+}
+
+/// Refuse huge pages where the kernel's setting means `MADV_HUGEPAGE` would be silently ignored
+/// (`never`, or `deny` for shared memory).
+fn thp_enabled(shared: bool) -> Result<()> {
+    let knob = if shared {
+        "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+    } else {
+        "/sys/kernel/mm/transparent_hugepage/enabled"
+    };
+    let Ok(text) = std::fs::read_to_string(knob) else {
+        return Err(CoreError::Os(format!(
+            "huge_pages=True but transparent huge pages are unavailable ({knob} cannot be read)"
+        )));
+    };
+    let mode = text
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix('[')?.strip_suffix(']'))
+        .unwrap_or("");
+    if matches!(mode, "never" | "deny") {
+        return Err(CoreError::Os(format!(
+            "huge_pages=True but {knob} is [{mode}]: the kernel would ignore MADV_HUGEPAGE"
+        )));
+    }
+    Ok(())
 }
 
 /// Fault every page in: `MADV_POPULATE_WRITE` (Linux 5.14+), else touch one byte per page.
@@ -412,7 +438,14 @@ mod tests {
             huge_pages: true,
             ..opts()
         };
-        let r = Region::new(ChunkLayout::new(5, HUGE_PAGE_BYTES).unwrap(), &o).unwrap();
+        let r = match Region::new(ChunkLayout::new(5, HUGE_PAGE_BYTES).unwrap(), &o) {
+            Ok(r) => r,
+            Err(e) => {
+                // A kernel with THP off: the refusal must say so, not pass silently.
+                assert!(e.to_string().contains("huge_pages=True"), "{e}");
+                return;
+            }
+        };
         assert_eq!(r.info().prefault_method, "touch");
         assert!(r.info().huge_pages);
         assert_eq!(r.as_ptr() as usize % HUGE_PAGE_BYTES, 0);
