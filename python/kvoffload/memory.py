@@ -72,6 +72,13 @@ def _count(name: str, value: object, minimum: int) -> int:
     return n
 
 
+def _dtype(dtype: object) -> np.dtype[Any]:
+    try:
+        return np.dtype(dtype)  # type: ignore[call-overload,no-any-return]
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"not a numpy dtype: {dtype!r} ({e})") from e
+
+
 def _ids(name: str, ids: object) -> npt.NDArray[np.int64]:
     """A 1-D int64 array of ids (negative or too-large ids are range-checked in Rust)."""
     try:
@@ -289,7 +296,9 @@ class HostPool:
 
     def typed_view(self, dtype: npt.DTypeLike, shape: Sequence[int]) -> npt.NDArray[Any]:
         """The pool as ``dtype[num_chunks, *shape]``; ``shape`` must fill a chunk exactly."""
-        dt = np.dtype(dtype)
+        dt = _dtype(dtype)
+        if not isinstance(shape, Sequence):
+            raise InvalidArgumentError(f"shape must be a sequence of ints, got {shape!r}")
         dims = tuple(_count("shape entry", d, 0) for d in shape)
         if dt.hasobject or math.prod(dims) * dt.itemsize != self.chunk_bytes:
             raise InvalidArgumentError(
@@ -305,11 +314,12 @@ class HostPool:
         cid = _count("chunk_id", chunk_id, 0)
         if cid >= self.num_chunks:
             raise BlockIndexError(f"chunk id {cid} is out of range 0..{self.num_chunks}")
-        if shape is None and np.dtype(dtype) == np.uint8:
+        dt = _dtype(dtype)
+        if shape is None and dt == np.uint8:
             whole: npt.NDArray[Any] = self.view()
         else:
-            dims = (self.chunk_bytes // np.dtype(dtype).itemsize,) if shape is None else shape
-            whole = self.typed_view(dtype, dims)
+            dims = (self.chunk_bytes // max(dt.itemsize, 1),) if shape is None else shape
+            whole = self.typed_view(dt, dims)
         out: npt.NDArray[Any] = whole[cid]
         return out
 
@@ -414,7 +424,13 @@ class HostPool:
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until the given jobs have finished (their results stay for get_finished)."""
-        self._mem.wait([self._job_id(j) for j in job_ids])
+        try:
+            ids = list(job_ids)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"job_ids must be an iterable of ints, got {type(job_ids).__name__}"
+            ) from None
+        self._mem.wait([self._job_id(j) for j in ids])
 
     def cancel(self, job_id: int) -> bool:
         """Cancel a job that has not started: it reports ``success=False`` and copies nothing."""
