@@ -6,10 +6,6 @@ from __future__ import annotations
 import gc
 import mmap
 import os
-import shutil
-import subprocess
-import sys
-import textwrap
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,14 +15,11 @@ import pytest
 
 from kvoffload import (
     BlockIndexError,
-    CudaRegistrationError,
     HostMemoryError,
     HostPool,
     InvalidArgumentError,
     KVOffloadError,
-    PageLockError,
     PoolClosedError,
-    _cuda,
     _native,
 )
 
@@ -240,6 +233,29 @@ def test_any_c_contiguous_buffer_is_a_source() -> None:
         assert out == bytes(range(64, 128))
 
 
+class DLPackOnly:
+    """An exporter known only through ``__dlpack__`` (as a tensor library's would be)."""
+
+    def __init__(self, arr: np.ndarray[Any, Any]) -> None:
+        self.arr = arr
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self.arr.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self.arr.__dlpack_device__()
+
+
+def test_dlpack_exporters_are_buffers() -> None:
+    with HostPool(4, 64, register_cuda=False) as pool:
+        src = np.arange(32, dtype=np.float32).reshape(2, 16)
+        pool.gather(DLPackOnly(src), [1], [2])
+        assert (pool.chunk(2, np.float32) == src[1]).all()
+        dst = np.zeros((2, 16), np.float32)
+        pool.scatter(DLPackOnly(dst), [0], [2])  # zero-copy: the exporter's memory is written
+        assert (dst[0] == src[1]).all()
+
+
 def test_torch_cpu_tensors_are_buffers() -> None:
     torch = pytest.importorskip("torch")
     with HostPool(4, 64, register_cuda=False) as pool:
@@ -345,123 +361,6 @@ def test_the_pool_cannot_be_its_own_buffer() -> None:
             pool.gather(pool.view(), [0], [1])
         with pytest.raises(InvalidArgumentError, match="overlaps"):
             pool.scatter(pool.chunk(3), [0], [1], block_bytes=64)
-
-
-# -- pinned state -------------------------------------------------------------------------------
-
-
-def test_pageable_by_default_without_a_cuda_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_cuda, "load_runtime", lambda: None)
-    with HostPool(2, 4096) as pool:
-        assert pool.pinned == "pageable"
-        stats = pool.stats()
-        assert stats.pinned == "pageable"
-        assert not stats.locked
-        assert "no CUDA runtime" in stats.pinned_reason
-    with pytest.raises(CudaRegistrationError, match="no CUDA runtime"):
-        HostPool(2, 4096, register_cuda=True)
-
-
-def test_page_locked_when_mlock_succeeds() -> None:
-    with HostPool(2, 4096, lock_pages=True, register_cuda=False) as pool:
-        assert pool.pinned == "page-locked"
-        assert pool.stats().locked
-
-
-LOW_MEMLOCK = textwrap.dedent(
-    """
-    import resource
-    from kvoffload import HostPool, PageLockError
-    resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20))
-    try:
-        HostPool(4, 1 << 20, lock_pages=True, register_cuda=False)
-    except PageLockError as e:
-        print("PageLockError:", e)
-    else:
-        print("locked")
-    """
-)
-
-
-def test_mlock_failure_names_rlimit_memlock() -> None:
-    cmd = [sys.executable, "-c", LOW_MEMLOCK]
-    if os.geteuid() == 0:  # root has CAP_IPC_LOCK, which ignores the limit: drop it
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            pytest.skip("running as root without setpriv to drop CAP_IPC_LOCK")
-        cmd = [setpriv, "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock", *cmd]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
-    assert out.startswith("PageLockError:"), out
-    assert "RLIMIT_MEMLOCK is 1048576 bytes" in out
-    assert issubclass(PageLockError, OSError)
-
-
-class FakeCudart:
-    """Records the calls a pool makes into a CUDA runtime (plain functions: ctypes-style
-    attributes such as ``argtypes`` are set on them)."""
-
-    def __init__(self, devices: int = 1, fail_at: int | None = None) -> None:
-        self.registered: list[tuple[int, int, int]] = []
-        self.unregistered: list[int] = []
-
-        def register(ptr: Any, size: int, flags: int) -> int:
-            if fail_at is not None and len(self.registered) == fail_at:
-                return 2
-            self.registered.append((ptr.value, size, flags))
-            return 0
-
-        def unregister(ptr: Any) -> int:
-            self.unregistered.append(ptr.value)
-            return 0
-
-        def count(out: Any) -> int:
-            if devices == 0:
-                return 100
-            out._obj.value = devices
-            return 0
-
-        def error_string(code: int) -> bytes:
-            return b"fake error"
-
-        self.cudaHostRegister = register
-        self.cudaHostUnregister = unregister
-        self.cudaGetDeviceCount = count
-        self.cudaGetErrorString = error_string
-
-
-def test_cuda_registration_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeCudart()
-    monkeypatch.setattr(_cuda, "load_runtime", lambda: fake)
-    monkeypatch.setattr(_cuda, "MAX_PIECE_BYTES", 3 * PAGE)
-    pool = HostPool(8, PAGE)
-    assert pool.pinned == "cuda-registered"
-    assert pool.stats().pinned == "cuda-registered"
-    base = pool.view().ctypes.data
-    assert fake.registered == [
-        (base, 3 * PAGE, 1),
-        (base + 3 * PAGE, 3 * PAGE, 1),
-        (base + 6 * PAGE, 2 * PAGE, 1),
-    ]
-    pool.close()
-    assert fake.unregistered == [base, base + 3 * PAGE, base + 6 * PAGE]
-    assert _cuda.pieces(0, 10, 4) == [(0, 4), (4, 4), (8, 2)]
-    assert _cuda.MAX_PIECE_BYTES == 3 * PAGE  # the real default is 64 GiB, patched here
-
-
-def test_cuda_failures_are_loud(monkeypatch: pytest.MonkeyPatch) -> None:
-    no_device = FakeCudart(devices=0)
-    monkeypatch.setattr(_cuda, "load_runtime", lambda: no_device)
-    with HostPool(2, PAGE) as pool:
-        assert pool.pinned == "pageable"
-        assert "no usable device" in pool.stats().pinned_reason
-    with pytest.raises(CudaRegistrationError, match="no CUDA device"):
-        HostPool(2, PAGE, register_cuda=True)
-    broken = FakeCudart(fail_at=1)
-    monkeypatch.setattr(_cuda, "load_runtime", lambda: broken)
-    monkeypatch.setattr(_cuda, "MAX_PIECE_BYTES", PAGE)
-    with pytest.raises(CudaRegistrationError, match="fake error"):
-        HostPool(2, PAGE)
-    assert [p for p, _, _ in broken.registered] == broken.unregistered  # undone
 
 
 def test_more_memory_than_the_machine_has_is_an_error() -> None:
