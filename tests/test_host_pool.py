@@ -1,5 +1,6 @@
 """HostPool: exact sizes and alignment, zero-copy views and their lifetime, block transfers with
-every id and size checked before a byte moves, and the pinned state it reports."""
+every id and size checked before a byte moves, and the limits (THP settings, available memory,
+fork). The pinned state is in test_host_pinned.py."""
 
 from __future__ import annotations
 
