@@ -9,7 +9,10 @@ use kvoffload_core::host::{
 };
 use kvoffload_core::CoreError;
 use numpy::ndarray::ArrayView2;
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::{
+    BorrowError, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1,
+    PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
 use std::collections::HashMap;
 use std::ffi::OsString;
@@ -89,27 +92,45 @@ fn ids<'a>(py: Python<'_>, arr: &'a PyReadonlyArray1<'_, i64>, what: &str) -> Py
     })
 }
 
-/// The bytes of a flat uint8 array, checked writable for a scatter. The borrow guard is only
-/// needed while the pointer is taken: the caller keeps the array itself alive.
-fn raw_buf(py: Python<'_>, buf: &Bound<'_, PyArray1<u8>>, dir: Direction) -> PyResult<RawBuf> {
-    let bad = |what: &str| raise(py, "InvalidArgumentError", format!("the buffer {what}"));
+/// A borrow of a transfer's buffer through numpy's borrow checker: a second transfer that
+/// conflicts with it (writing what this one reads, or the reverse) is refused, not raced.
+#[allow(dead_code)] // held for its Drop (which releases the borrow), never read
+enum BufBorrow<'py> {
+    Read(PyReadonlyArray1<'py, u8>),
+    Write(PyReadwriteArray1<'py, u8>),
+}
+
+/// Borrow a flat uint8 array for a transfer: writable for a scatter.
+fn borrow_buf<'py>(
+    py: Python<'py>,
+    buf: &Bound<'py, PyArray1<u8>>,
+    dir: Direction,
+) -> PyResult<(BufBorrow<'py>, RawBuf)> {
+    let bad = |what: String| raise(py, "InvalidArgumentError", format!("the buffer {what}"));
     if !buf.is_c_contiguous() {
-        return Err(bad("is not C-contiguous"));
+        return Err(bad("is not C-contiguous".into()));
     }
     match dir {
         Direction::Scatter => {
-            let mut g = buf
-                .try_readwrite()
-                .map_err(|_| bad("is read-only (a load writes into it)"))?;
-            let s = g.as_slice_mut().map_err(|_| bad("is not contiguous"))?;
+            let mut g = buf.try_readwrite().map_err(|e| match e {
+                BorrowError::NotWriteable => bad("is read-only (a load writes into it)".into()),
+                e => bad(format!("is in use by another transfer ({e})")),
+            })?;
+            let s = g
+                .as_slice_mut()
+                .map_err(|_| bad("is not contiguous".into()))?;
             // SAFETY: the slice is the array's whole data; the caller keeps the array alive
             // for as long as the transfer may run.
-            Ok(unsafe { RawBuf::new(s.as_mut_ptr(), s.len()) })
+            let raw = unsafe { RawBuf::new(s.as_mut_ptr(), s.len()) };
+            Ok((BufBorrow::Write(g), raw))
         }
         Direction::Gather => {
-            let g = buf.try_readonly().map_err(|_| bad("is being written"))?;
-            let s = g.as_slice().map_err(|_| bad("is not contiguous"))?;
-            Ok(RawBuf::from_slice(s))
+            let g = buf
+                .try_readonly()
+                .map_err(|e| bad(format!("is in use by another transfer ({e})")))?;
+            let raw =
+                RawBuf::from_slice(g.as_slice().map_err(|_| bad("is not contiguous".into()))?);
+            Ok((BufBorrow::Read(g), raw))
         }
     }
 }
@@ -284,16 +305,18 @@ impl HostMemory {
     ) -> PyResult<()> {
         let dir = self::direction(py, direction)?;
         let pool = self.pool(py)?;
-        let raw = raw_buf(py, &buf, dir)?;
+        let (borrow, raw) = borrow_buf(py, &buf, dir)?;
         let spec = TransferSpec {
             block_bytes,
             chunk_offset,
             blocks: ids(py, &blocks, "block ids")?,
             chunks: ids(py, &chunks, "chunk ids")?,
         };
-        // SAFETY: `buf` (bound here) outlives the call and holds `raw`'s bytes.
-        detached(py, || unsafe { pool.transfer(dir, raw, &spec, threads) })
-            .map_err(|e| to_py(py, e))
+        // SAFETY: `buf` (bound here) outlives the call and holds `raw`'s bytes; `borrow` keeps
+        // other transfers from writing them meanwhile.
+        let result = detached(py, || unsafe { pool.transfer(dir, raw, &spec, threads) });
+        drop(borrow);
+        result.map_err(|e| to_py(py, e))
     }
 
     /// Validate now and queue job `job_id`; the buffer is kept alive until its result is taken.
@@ -312,7 +335,10 @@ impl HostMemory {
     ) -> PyResult<()> {
         let dir = self::direction(py, direction)?;
         let pool = self.pool(py)?;
-        let raw = raw_buf(py, &buf, dir)?;
+        // The borrow is checked now and released at once: a queued job outlives this call, and
+        // numpy's borrow flags cannot travel with it (documented: do not write a job's buffer).
+        let (borrow, raw) = borrow_buf(py, &buf, dir)?;
+        drop(borrow);
         let spec = TransferSpec {
             block_bytes,
             chunk_offset,
