@@ -1,5 +1,7 @@
 """The janitor of a shared region: ``python -m kvoffload._janitor PATH DEV INO``.
 
+``HostPool`` runs this file's source with ``python -I -S -c`` (it needs the standard library only).
+
 The creator of a named region starts one, detached. Every process using the region holds a shared
 ``flock`` on it, which the kernel drops when the process exits or is killed; the janitor polls for
 the exclusive lock and, once it gets it (no holder left), unlinks the name if it still names the

@@ -17,6 +17,7 @@ import sys
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -33,7 +34,22 @@ __all__ = ["HostPool", "HostPoolStats", "PinnedState"]
 
 PinnedState = Literal["cuda-registered", "page-locked", "pageable"]
 _MAX_JOB_ID = 2**64 - 1
-_JANITOR = [sys.executable, "-m", "kvoffload._janitor"]
+
+
+def _janitor_command() -> list[str] | None:
+    """The janitor's argv: its source, run by this interpreter in isolated mode.
+
+    With ``-I -S`` it needs nothing but the standard library, whatever this process's import
+    path was.
+    """
+    if not sys.executable:
+        return None  # embedded interpreter: the last user or the next opener cleans up
+    from kvoffload import _janitor
+
+    return [sys.executable, "-I", "-S", "-c", Path(_janitor.__file__).read_text()]
+
+
+_JANITOR = _janitor_command()
 
 
 @dataclass(frozen=True)
