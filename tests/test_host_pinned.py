@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvoffload import CudaRegistrationError, HostPool, PageLockError, _cuda
+from kvoffload import CudaRegistrationError, HostPool, InvalidArgumentError, PageLockError, _cuda
 
 PAGE = mmap.PAGESIZE
 
@@ -131,3 +131,18 @@ def test_cuda_failures_are_loud(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(CudaRegistrationError, match="fake error"):
         HostPool(2, PAGE)
     assert [p for p, _, _ in broken.registered] == broken.unregistered  # undone
+
+
+def test_register_cuda_takes_only_auto_true_false() -> None:
+    for bad in (1, 0, "true", None):
+        with pytest.raises(InvalidArgumentError):
+            HostPool(2, PAGE, register_cuda=bad)  # type: ignore[arg-type]
+
+
+def test_a_library_without_the_runtime_symbols_is_no_runtime(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_cuda, "load_runtime", lambda: object())
+    with HostPool(2, PAGE) as pool:
+        assert pool.pinned == "pageable"
+        assert "not a usable CUDA runtime" in pool.stats().pinned_reason

@@ -173,8 +173,9 @@ class HostPool:
         lock_pages: lock the pages in memory (mlock); ``PageLockError`` names ``RLIMIT_MEMLOCK``.
         huge_pages: ask for transparent huge pages (``MADV_HUGEPAGE``).
         register_cuda: ``"auto"`` registers with ``cudaHostRegister`` when a CUDA runtime and a
-            device are found, ``True`` requires it, ``False`` skips it. ``pinned`` says what
-            happened and ``stats().pinned_reason`` why.
+            device are found (this initialises the CUDA runtime in the process), ``True``
+            requires it, ``False`` skips it. ``pinned`` says what happened and
+            ``stats().pinned_reason`` why.
         num_threads: copy threads (default: the CPU count, at most 8).
         shared_mode: ``"create_or_attach"``, ``"create"`` or ``"attach"``.
         attach_timeout: seconds an attacher waits for the creator to finish setting up.
@@ -194,15 +195,15 @@ class HostPool:
         shared_mode: Literal["create_or_attach", "create", "attach"] = "create_or_attach",
         attach_timeout: float = 30.0,
     ) -> None:
-        _count("num_chunks", num_chunks, 1)
-        _count("chunk_bytes", chunk_bytes, 1)
-        if register_cuda not in ("auto", True, False):
+        num_chunks = _count("num_chunks", num_chunks, 1)
+        chunk_bytes = _count("chunk_bytes", chunk_bytes, 1)
+        if not (register_cuda is True or register_cuda is False or register_cuda == "auto"):
             raise InvalidArgumentError(
                 f"register_cuda must be 'auto', True or False, got {register_cuda!r}"
             )
         if num_threads is None:
             num_threads = max(1, min(os.cpu_count() or 1, 8))
-        _count("num_threads", num_threads, 1)
+        num_threads = _count("num_threads", num_threads, 1)
         if shared_name is not None and not isinstance(shared_name, str):
             raise InvalidArgumentError("shared_name must be a str")
         if isinstance(attach_timeout, bool) or not isinstance(attach_timeout, (int, float)):
@@ -237,7 +238,10 @@ class HostPool:
             if mode is True:
                 raise CudaRegistrationError("register_cuda=True but no CUDA runtime was found")
             return "no CUDA runtime library (libcudart) found"
-        count, why = _cuda.device_count(lib)
+        try:
+            count, why = _cuda.device_count(lib)
+        except (AttributeError, OSError) as e:  # a library without the runtime's symbols
+            count, why = 0, f"not a usable CUDA runtime: {e}"
         if count == 0:
             if mode is True:
                 raise CudaRegistrationError(f"register_cuda=True but no CUDA device: {why}")
