@@ -257,7 +257,7 @@ pub const STREAMING_MIN_BYTES: usize = 16 << 10;
 const PREFETCH_AHEAD: usize = 512;
 
 /// How much of the next piece's source is prefetched while the current piece is copied.
-const NEXT_PIECE_PREFETCH: usize = 4096;
+const NEXT_PIECE_PREFETCH: usize = 512;
 
 /// Copy `n` bytes; streaming stores for large pieces on x86-64, `memcpy` otherwise. The caller
 /// runs [`store_fence`] on this thread before publishing that the copy is done.
@@ -284,7 +284,7 @@ pub unsafe fn copy_block(src: *const u8, dst: *mut u8, n: usize) {
 #[allow(clippy::cast_ptr_alignment)] // loads are unaligned (loadu); stores are 16-aligned
 unsafe fn stream_copy(src: *const u8, dst: *mut u8, n: usize) {
     use std::arch::x86_64::{
-        __m128i, _mm_loadu_si128, _mm_prefetch, _mm_stream_si128, _MM_HINT_NTA,
+        __m128i, _mm_loadu_si128, _mm_prefetch, _mm_stream_si128, _MM_HINT_T0,
     };
     // Plain copy up to the first 16-byte aligned target byte (streaming needs alignment).
     let head = dst.align_offset(16).min(n);
@@ -296,7 +296,7 @@ unsafe fn stream_copy(src: *const u8, dst: *mut u8, n: usize) {
     unsafe {
         while off + 64 <= n {
             // Hint the source a few lines ahead: the hardware prefetcher stops at each page.
-            _mm_prefetch::<_MM_HINT_NTA>(src.wrapping_add(off + PREFETCH_AHEAD).cast());
+            _mm_prefetch::<_MM_HINT_T0>(src.wrapping_add(off + PREFETCH_AHEAD).cast());
             let from = src.add(off).cast::<__m128i>();
             let to = dst.add(off).cast::<__m128i>();
             let lines = [
