@@ -80,6 +80,27 @@ def shm_name() -> Iterator[str]:
     assert wait_for(lambda: not path_of(name).exists()), f"{path_of(name)} was left behind"
 
 
+def holds_lock(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` holds an flock on ``path`` (from /proc/locks)."""
+    try:
+        ino = path.stat().st_ino
+        locks = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return False
+    for line in locks:
+        fields = line.split()
+        if "->" in fields:  # a waiter, not a holder
+            continue
+        if (
+            len(fields) >= 6
+            and fields[1] == "FLOCK"
+            and fields[4] == str(pid)
+            and fields[5].rsplit(":", 1)[-1] == str(ino)
+        ):
+            return True
+    return False
+
+
 def spawn(script: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", script, *args],
@@ -160,7 +181,7 @@ def test_all_users_killed_the_janitor_removes_the_name(shm_name: str) -> None:
 
 
 def test_a_creators_failure_reaches_the_attacher(shm_name: str) -> None:
-    creator = spawn(STALLING_CREATOR, shm_name, "3.0", "fail")
+    creator = spawn(STALLING_CREATOR, shm_name, "4.0", "fail")
     try:
         assert wait_for(path_of(shm_name).exists)
         with pytest.raises(SharedRegionError, match="injected creator failure"):
@@ -184,7 +205,8 @@ def test_a_creator_killed_during_setup_does_not_hang_the_attacher(shm_name: str)
         assert wait_for(path_of(shm_name).exists)
         waiter = threading.Thread(target=attach)
         waiter.start()
-        time.sleep(0.3)
+        # Kill only once the attacher holds the region and waits (its flock shows in /proc).
+        assert wait_for(lambda: holds_lock(os.getpid(), path_of(shm_name)))
         os.kill(creator.pid, signal.SIGKILL)
         waiter.join(timeout=30)
         assert not waiter.is_alive()
