@@ -9,7 +9,8 @@ pre-fault rate is recorded), then, interleaved and best of ``--repeat``:
 - scatter: every chunk, in a random chunk order, back into a random block order of a second
   buffer (both sides scattered, as with real block tables).
 
-The ratio is numpy time / kvoffload time (1.0 = as fast as numpy's single copy).
+Throughputs are the best round; the ratio is numpy time / kvoffload time within each round, the
+median over rounds (1.0 = as fast as numpy's single copy).
 
     python benches/host_transfer.py                      # 1 GiB, 64 KiB .. 2 MiB, threads 1 2
     python benches/host_transfer.py --total-mib 256 --markdown
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -80,7 +82,10 @@ def measure(
         row[f"{name}_gb_s"] = n * block / s / 1e9
     for t in threads:
         for op in ("gather", "scatter"):
-            row[f"{op}_t{t}_ratio"] = row["numpy_s"] / row[f"{op}_t{t}_s"]
+            # Paired per round (measured seconds apart), then the median: steadier than a ratio
+            # of two bests on a machine shared with other work.
+            pairs = zip(timings["numpy"], timings[f"{op}_t{t}"], strict=True)
+            row[f"{op}_t{t}_ratio"] = statistics.median(a / b for a, b in pairs)
     pool.close()
     return row
 
