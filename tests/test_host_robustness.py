@@ -3,6 +3,7 @@ TypeError for a wrong argument count) and never crashes, hangs or writes into th
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -70,3 +71,36 @@ def test_junk_never_crashes_or_writes(
         assert call == "gather" or finished
     elif call not in ("gather", "submit_store"):
         assert (pool.view() == 0x11).all()
+
+
+VALID: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
+    "gather": ((np.zeros((2, 32), np.uint8), [0, 1], [1, 2]), {"block_bytes": 32}),
+    "scatter": ((np.zeros((2, 32), np.uint8), [0, 1], [1, 2]), {"block_bytes": 32}),
+    "submit_store": ((5, np.zeros((2, 32), np.uint8), [0, 1], [1, 2]), {"block_bytes": 32}),
+    "submit_load": ((6, np.zeros((2, 32), np.uint8), [0, 1], [1, 2]), {"block_bytes": 32}),
+    "chunk": ((1,), {"dtype": np.float32, "shape": (16,)}),
+    "typed_view": ((np.float32, (16,)), {}),
+}
+
+
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    call=st.sampled_from(sorted(VALID)),
+    position=st.integers(0, 5),
+    value=junk,
+)
+def test_one_bad_argument_in_a_valid_call(pool: Any, call: str, position: int, value: Any) -> None:
+    """A valid call with one argument replaced by junk: a kvoffload error or a valid call."""
+    args, kwargs = VALID[call]
+    args = list(args)
+    names = list(kwargs)
+    if position < len(args):
+        args[position] = value
+    elif names:
+        kwargs = kwargs | {names[(position - len(args)) % len(names)]: value}
+    with contextlib.suppress(KVOffloadError):
+        getattr(pool, call)(*args, **kwargs)
+    pool.wait(range(64))
+    pool.get_finished()

@@ -75,16 +75,16 @@ class HostPoolStats:
     released: bool
 
 
-def _count(name: str, value: object, minimum: int) -> int:
-    """An int (Python or numpy integer, not bool) of at least ``minimum``."""
+def _count(name: str, value: object, minimum: int, maximum: int = sys.maxsize) -> int:
+    """An int (Python or numpy integer, not bool) in ``minimum..=maximum``."""
     if isinstance(value, (bool, np.bool_)):
         raise InvalidArgumentError(f"{name} must be an int, got bool")
     try:
         n = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__}") from None
-    if n < minimum:
-        raise InvalidArgumentError(f"{name} must be at least {minimum}, got {n}")
+    if not minimum <= n <= maximum:
+        raise InvalidArgumentError(f"{name} must be in {minimum}..{maximum}, got {n}")
     return n
 
 
@@ -203,7 +203,7 @@ class HostPool:
             )
         if num_threads is None:
             num_threads = max(1, min(os.cpu_count() or 1, 8))
-        num_threads = _count("num_threads", num_threads, 1)
+        num_threads = _count("num_threads", num_threads, 1, 1024)
         if shared_name is not None and not isinstance(shared_name, str):
             raise InvalidArgumentError("shared_name must be a str")
         if isinstance(attach_timeout, bool) or not isinstance(attach_timeout, (int, float)):
@@ -380,7 +380,7 @@ class HostPool:
         on error nothing is written.
         """
         args = self._args(src, src_blocks, chunk_ids, block_bytes, chunk_offset)
-        t = 0 if threads is None else _count("threads", threads, 1)
+        t = 0 if threads is None else _count("threads", threads, 1, 1024)
         self._mem.transfer("gather", *args, t)
 
     def scatter(
@@ -395,14 +395,11 @@ class HostPool:
     ) -> None:
         """Copy chunk ``chunk_ids[i]`` into block ``dst_blocks[i]`` of ``dst``, now."""
         args = self._args(dst, dst_blocks, chunk_ids, block_bytes, chunk_offset)
-        t = 0 if threads is None else _count("threads", threads, 1)
+        t = 0 if threads is None else _count("threads", threads, 1, 1024)
         self._mem.transfer("scatter", *args, t)
 
     def _job_id(self, job_id: object) -> int:
-        jid = _count("job_id", job_id, 0)
-        if jid > _MAX_JOB_ID:
-            raise InvalidArgumentError(f"job_id must fit in 64 bits, got {jid}")
-        return jid
+        return _count("job_id", job_id, 0, _MAX_JOB_ID)
 
     def submit_store(
         self,

@@ -201,8 +201,10 @@ impl HostMemory {
                     janitor,
                 }),
                 force_touch_prefault: false,
-                test_creator_stall: test_creator_stall
-                    .map(|(secs, fail)| (Duration::from_secs_f64(secs.clamp(0.0, 3600.0)), fail)),
+                test_creator_stall: test_creator_stall.map(|(secs, fail)| {
+                    let pause = Duration::try_from_secs_f64(secs).unwrap_or(Duration::ZERO);
+                    (pause.min(Duration::from_secs(3600)), fail)
+                }),
             },
             num_threads,
         };

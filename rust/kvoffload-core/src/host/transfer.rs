@@ -117,6 +117,57 @@ fn id_in(id: i64, bound: usize, what: &str, pos: usize) -> Result<usize> {
     }
 }
 
+/// Destination ids seen so far: a bitset when it is small next to the number of ids, else the
+/// ids themselves, sorted at the end (so a 32-block transfer into a million-chunk pool does not
+/// clear a 128 KiB bitset).
+enum Destinations {
+    Bits(Vec<u64>),
+    Sorted(Vec<usize>),
+}
+
+impl Destinations {
+    fn new(bound: usize, n: usize) -> Self {
+        if bound.div_ceil(64) <= n.saturating_mul(4) {
+            Self::Bits(vec![0; bound.div_ceil(64)])
+        } else {
+            Self::Sorted(Vec::with_capacity(n.min(bound)))
+        }
+    }
+
+    fn twice(what: &str, d: usize) -> CoreError {
+        CoreError::InvalidArgument(format!(
+            "{what} id {d} is a destination twice; the copies would race"
+        ))
+    }
+
+    fn insert(&mut self, d: usize, pos: usize, what: &str) -> Result<()> {
+        match self {
+            Self::Bits(seen) => {
+                let (word, bit) = (d / 64, 1u64 << (d % 64));
+                if seen[word] & bit != 0 {
+                    return Err(CoreError::InvalidArgument(format!(
+                        "{what} id {d} is a destination twice (again at position {pos}); the \
+                         copies would race"
+                    )));
+                }
+                seen[word] |= bit;
+            }
+            Self::Sorted(ids) => ids.push(d),
+        }
+        Ok(())
+    }
+
+    fn finish(self, what: &str) -> Result<()> {
+        if let Self::Sorted(mut ids) = self {
+            ids.sort_unstable();
+            if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+                return Err(Self::twice(what, w[0]));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Check a transfer against the region and the buffer; `Err` means nothing will be copied.
 pub fn plan(
     region: &Region,
@@ -167,33 +218,32 @@ pub fn plan(
         Direction::Gather => (layout.num_chunks(), "chunk"),
         Direction::Scatter => (num_blocks, "block"),
     };
-    let mut seen = vec![0u64; dest_bound.div_ceil(64)];
-    let mut pieces = Vec::with_capacity(spec.blocks.len() * bb.div_ceil(PIECE_BYTES));
+    let n = spec.blocks.len();
+    // A valid plan has at most `dest_bound` pairs: bound the allocation before validating.
+    let mut pieces = Vec::with_capacity(n.min(dest_bound) * bb.div_ceil(PIECE_BYTES));
+    let mut dests = Destinations::new(dest_bound, n);
     for (pos, (&b, &c)) in spec.blocks.iter().zip(spec.chunks).enumerate() {
         let b = id_in(b, num_blocks, "block", pos)?;
         let c = id_in(c, layout.num_chunks(), "chunk", pos)?;
-        let d = if direction == Direction::Gather { c } else { b };
-        let (word, bit) = (d / 64, 1u64 << (d % 64));
-        if seen[word] & bit != 0 {
-            return Err(CoreError::InvalidArgument(format!(
-                "{dest_what} id {d} is a destination twice (again at position {pos}); the copies \
-                 would race"
-            )));
-        }
-        seen[word] |= bit;
+        dests.insert(
+            if direction == Direction::Gather { c } else { b },
+            pos,
+            dest_what,
+        )?;
         let (boff, coff) = (b * bb, c * cb + spec.chunk_offset);
         let mut done = 0;
         while done < bb {
-            let n = PIECE_BYTES.min(bb - done);
-            pieces.push((boff + done, coff + done, n));
-            done += n;
+            let len = PIECE_BYTES.min(bb - done);
+            pieces.push((boff + done, coff + done, len));
+            done += len;
         }
     }
+    dests.finish(dest_what)?;
     Ok(Plan {
         direction,
         buf,
         region_ptr: region.as_ptr(),
-        total_bytes: spec.blocks.len() * bb,
+        total_bytes: n * bb,
         pieces,
     })
 }
@@ -434,6 +484,26 @@ mod tests {
                     .chain(&dst[d_off + n..])
                     .all(|&b| b == 0));
             }
+        }
+    }
+
+    #[test]
+    fn duplicate_destinations_are_found_in_small_and_large_pools() {
+        // 64 chunks: a bitset; 1 << 20 chunks and 3 ids: sorted ids.
+        for num_chunks in [64, 1 << 20] {
+            let layout = ChunkLayout::new(num_chunks, 8).unwrap();
+            let r = region(layout);
+            let src = [7u8; 24];
+            let buf = RawBuf::from_slice(&src);
+            let g = Direction::Gather;
+            let dup = spec(8, 0, &[0, 1, 2], &[5, 9, 5]);
+            let err = plan(&r, layout, g, buf, &dup).unwrap_err();
+            assert!(
+                err.to_string()
+                    .contains("chunk id 5 is a destination twice"),
+                "{err}"
+            );
+            assert!(plan(&r, layout, g, buf, &spec(8, 0, &[0, 1, 2], &[5, 9, 6])).is_ok());
         }
     }
 
