@@ -13,12 +13,17 @@ from hypothesis import strategies as st
 import kvoffload
 from kvoffload import _native
 from kvoffload.errors import (
+    BlockIndexError,
     DuplicateKeyError,
+    HostMemoryError,
     InvalidArgumentError,
     InvariantViolation,
     KeyStateError,
     KVOffloadError,
+    PageLockError,
+    PoolClosedError,
     RequestFinishedError,
+    SharedRegionError,
 )
 
 CORE_VARIANTS = {
@@ -28,6 +33,11 @@ CORE_VARIANTS = {
     "RequestFinished": RequestFinishedError,
     "Overflow": KeyStateError,
     "Invariant": InvariantViolation,
+    "OutOfRange": BlockIndexError,
+    "Os": HostMemoryError,
+    "PageLock": PageLockError,
+    "SharedRegion": SharedRegionError,
+    "Closed": PoolClosedError,
 }
 
 

@@ -9,13 +9,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.errors import (
+    BlockIndexError,
+    CudaRegistrationError,
     DuplicateKeyError,
+    HostMemoryError,
     InvalidArgumentError,
     InvalidKeyError,
     InvariantViolation,
     KeyStateError,
     KVOffloadError,
+    PageLockError,
+    PoolClosedError,
     RequestFinishedError,
+    SharedRegionError,
     TraceFormatError,
     UnsupportedPolicyError,
 )
@@ -41,15 +47,21 @@ from kvoffload.types import (
 
 if TYPE_CHECKING:
     from kvoffload.manager import CPUOffloadingManager
+    from kvoffload.memory import HostPool, HostPoolStats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockIndexError",
     "CPULoadStoreSpec",
     "CPUOffloadingManager",
     "CPUOffloadingMetrics",
     "CacheHitSource",
+    "CudaRegistrationError",
     "DuplicateKeyError",
+    "HostMemoryError",
+    "HostPool",
+    "HostPoolStats",
     "InvalidArgumentError",
     "InvalidKeyError",
     "InvariantViolation",
@@ -63,10 +75,13 @@ __all__ = [
     "OffloadPolicy",
     "OffloadingEvent",
     "OffloadingStats",
+    "PageLockError",
+    "PoolClosedError",
     "PrepareStoreOutput",
     "ReqContext",
     "RequestFinishedError",
     "RequestOffloadingContext",
+    "SharedRegionError",
     "TraceFormatError",
     "UnsupportedPolicyError",
     "__version__",
@@ -83,4 +98,8 @@ def __getattr__(name: str) -> Any:
         from kvoffload.manager import CPUOffloadingManager
 
         return CPUOffloadingManager
+    if name in ("HostPool", "HostPoolStats"):
+        from kvoffload import memory
+
+        return getattr(memory, name)
     raise AttributeError(f"module 'kvoffload' has no attribute {name!r}")

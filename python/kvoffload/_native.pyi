@@ -3,9 +3,19 @@
 from collections.abc import Iterable
 from typing import Any, final
 
+import numpy as np
+import numpy.typing as npt
+
 from kvoffload.types import CPULoadStoreSpec, LookupResult, PrepareStoreOutput
 
-__all__ = ["ManagerCore", "RequestState", "__version__", "_raise_core_error"]
+__all__ = [
+    "HostMemory",
+    "HostMemoryOwner",
+    "ManagerCore",
+    "RequestState",
+    "__version__",
+    "_raise_core_error",
+]
 
 __version__: str
 
@@ -51,3 +61,72 @@ class ManagerCore:
     def set_arc_target(self, target: float) -> None: ...
 
 def _raise_core_error(variant: str) -> None: ...
+
+@final
+class HostMemoryOwner:
+    """Keeps a pool's memory mapped; the ``.base`` of every view."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+@final
+class HostMemory:
+    """A pool of host memory cut into chunks; ``kvoffload.HostPool`` adapts it."""
+
+    def __new__(
+        cls,
+        num_chunks: int,
+        chunk_bytes: int,
+        *,
+        num_threads: int,
+        lock_pages: bool,
+        huge_pages: bool,
+        shared_name: str | None = None,
+        shared_mode: str = "create_or_attach",
+        attach_timeout: float = 30.0,
+        janitor: list[str] | None = None,
+        test_creator_stall: tuple[float, bool] | None = None,
+    ) -> HostMemory: ...
+    @property
+    def num_chunks(self) -> int: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def mapped_bytes(self) -> int: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def num_threads(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def released(self) -> bool: ...
+    def info(self) -> tuple[str, float, bool, bool, str | None, bool]: ...
+    def view(self) -> npt.NDArray[np.uint8]: ...
+    def transfer(
+        self,
+        direction: str,
+        buf: npt.NDArray[np.uint8],
+        block_bytes: int,
+        blocks: npt.NDArray[np.int64],
+        chunks: npt.NDArray[np.int64],
+        chunk_offset: int = 0,
+        threads: int = 0,
+    ) -> None: ...
+    def submit(
+        self,
+        job_id: int,
+        direction: str,
+        buf: npt.NDArray[np.uint8],
+        block_bytes: int,
+        blocks: npt.NDArray[np.int64],
+        chunks: npt.NDArray[np.int64],
+        chunk_offset: int = 0,
+    ) -> None: ...
+    def get_finished(self) -> list[tuple[int, bool]]: ...
+    def wait(self, job_ids: list[int]) -> None: ...
+    def cancel(self, job_id: int) -> bool: ...
+    def in_flight(self) -> int: ...
+    def close(self) -> None: ...

@@ -9,13 +9,19 @@ The Rust bindings raise these same classes, mapped in one place:
 from __future__ import annotations
 
 __all__ = [
+    "BlockIndexError",
+    "CudaRegistrationError",
     "DuplicateKeyError",
+    "HostMemoryError",
     "InvalidArgumentError",
     "InvalidKeyError",
     "InvariantViolation",
     "KVOffloadError",
     "KeyStateError",
+    "PageLockError",
+    "PoolClosedError",
     "RequestFinishedError",
+    "SharedRegionError",
     "TraceFormatError",
     "UnsupportedPolicyError",
 ]
@@ -62,3 +68,31 @@ class InvariantViolation(KVOffloadError):
 
 class TraceFormatError(KVOffloadError, ValueError):
     """A trace file (or trace record) given to ``kvoffload.sim`` is malformed; says where."""
+
+
+class BlockIndexError(KVOffloadError, IndexError):
+    """A block or chunk id lies outside its buffer or pool; nothing was copied."""
+
+
+class HostMemoryError(KVOffloadError, OSError):
+    """Host memory could not be mapped, pre-faulted or set up (the message says which call)."""
+
+
+class PageLockError(HostMemoryError):
+    """Locking the pool's pages (mlock) failed; the message gives ``RLIMIT_MEMLOCK``."""
+
+
+class SharedRegionError(HostMemoryError):
+    """A named shared region cannot be created or attached.
+
+    It exists already, is missing, has another size, its creator failed or died, or the attach
+    timed out.
+    """
+
+
+class CudaRegistrationError(HostMemoryError):
+    """``cudaHostRegister`` failed, or CUDA registration was required and no runtime was found."""
+
+
+class PoolClosedError(KVOffloadError, RuntimeError):
+    """The host pool was closed."""

@@ -19,6 +19,17 @@ pub enum CoreError {
     Overflow(String),
     /// `validate()` found a broken invariant (a bug in this crate).
     Invariant(String),
+    /// A block or chunk id lies outside its buffer or pool.
+    OutOfRange(String),
+    /// An operating-system call on host memory failed (mmap, madvise, shared-memory files).
+    Os(String),
+    /// Page locking (mlock) failed; the message names `RLIMIT_MEMLOCK`.
+    PageLock(String),
+    /// A named shared-memory region cannot be created or attached (its creator failed or died,
+    /// its size differs, the attach timed out).
+    SharedRegion(String),
+    /// The host pool was closed.
+    Closed(String),
 }
 
 impl fmt::Display for CoreError {
@@ -29,7 +40,12 @@ impl fmt::Display for CoreError {
             | CoreError::DuplicateKey(m)
             | CoreError::RequestFinished(m)
             | CoreError::Overflow(m)
-            | CoreError::Invariant(m) => f.write_str(m),
+            | CoreError::Invariant(m)
+            | CoreError::OutOfRange(m)
+            | CoreError::Os(m)
+            | CoreError::PageLock(m)
+            | CoreError::SharedRegion(m)
+            | CoreError::Closed(m) => f.write_str(m),
         }
     }
 }

@@ -9,11 +9,16 @@
 //! - [`CachePolicy`]: [`LruPolicy`] and [`ArcPolicy`];
 //! - [`RequestState`]: what one request saw, owned by the request.
 //!
+//! [`host`] holds the memory behind the chunk ids: a pre-faulted anonymous or `/dev/shm` region
+//! cut into chunks, bounds-checked block transfers in and out of it, and an asynchronous job
+//! queue for them.
+//!
 //! This crate has no Python in it; `kvoffload-py` binds it.
 
 pub mod admission;
 pub mod error;
 pub mod index;
+pub mod host;
 pub mod key;
 pub mod manager;
 pub mod policy;
@@ -23,6 +28,7 @@ pub mod request;
 
 pub use admission::AdmissionTracker;
 pub use error::{CoreError, Result};
+pub use host::{ChunkLayout, HostPool, HostPoolOptions, Region, RegionOptions};
 pub use key::{group_of, hash_key, KeyBuf};
 pub use manager::{Event, Lookup, Manager, ManagerConfig, PolicyKind, RawStats, StoreOutcome};
 pub use policy::{ArcPolicy, CachePolicy, LruPolicy, PolicyState};

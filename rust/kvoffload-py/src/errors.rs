@@ -15,6 +15,11 @@ pub(crate) fn class_name(err: &CoreError) -> &'static str {
         CoreError::DuplicateKey(_) => "DuplicateKeyError",
         CoreError::RequestFinished(_) => "RequestFinishedError",
         CoreError::Invariant(_) => "InvariantViolation",
+        CoreError::OutOfRange(_) => "BlockIndexError",
+        CoreError::Os(_) => "HostMemoryError",
+        CoreError::PageLock(_) => "PageLockError",
+        CoreError::SharedRegion(_) => "SharedRegionError",
+        CoreError::Closed(_) => "PoolClosedError",
     }
 }
 
@@ -64,6 +69,11 @@ pub(crate) fn _raise_core_error(py: Python<'_>, variant: &str) -> PyResult<()> {
         "RequestFinished" => CoreError::RequestFinished(msg),
         "Overflow" => CoreError::Overflow(msg),
         "Invariant" => CoreError::Invariant(msg),
+        "OutOfRange" => CoreError::OutOfRange(msg),
+        "Os" => CoreError::Os(msg),
+        "PageLock" => CoreError::PageLock(msg),
+        "SharedRegion" => CoreError::SharedRegion(msg),
+        "Closed" => CoreError::Closed(msg),
         other => {
             return Err(raise(
                 py,

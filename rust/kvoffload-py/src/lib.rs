@@ -1,6 +1,7 @@
 //! `kvoffload._native`: `PyO3` bindings of kvoffload-core. Only module exports live here.
 
 mod errors;
+mod host;
 mod keys;
 mod manager;
 mod request;
@@ -12,6 +13,8 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::ManagerCore>()?;
     m.add_class::<request::RequestState>()?;
+    m.add_class::<host::HostMemory>()?;
+    m.add_class::<host::HostMemoryOwner>()?;
     m.add_function(wrap_pyfunction!(errors::_raise_core_error, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -1,0 +1,179 @@
+//! An asynchronous job queue shaped like vLLM's `OffloadingWorker`: submit jobs by id, collect
+//! `(job_id, success)` pairs, wait for given ids. Jobs run on a rayon pool; a job that panics (a
+//! bug) or is cancelled before it starts reports `false`.
+
+use crate::error::{CoreError, Result};
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+
+/// A caller-chosen job id.
+pub type JobId = u64;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum JobState {
+    Queued,
+    Cancelled,
+    Running,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Jobs submitted and not finished yet.
+    active: HashMap<JobId, JobState>,
+    /// Finished jobs not yet taken, in finishing order.
+    finished: Vec<(JobId, bool)>,
+}
+
+#[derive(Default)]
+struct Shared {
+    inner: Mutex<Inner>,
+    /// Signalled whenever a job finishes.
+    done: Condvar,
+}
+
+impl Shared {
+    /// The state; a poisoned lock is recovered (the state is updated in single statements, so
+    /// a panic cannot leave it half-changed).
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The queue; cheap to share (`Arc` inside).
+#[derive(Default, Clone)]
+pub struct JobQueue {
+    shared: Arc<Shared>,
+}
+
+impl JobQueue {
+    /// An empty queue.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Queue `work` as job `id` on `pool`. An id may be reused once its result was taken.
+    pub fn submit(
+        &self,
+        id: JobId,
+        pool: &rayon::ThreadPool,
+        work: impl FnOnce() + Send + 'static,
+    ) -> Result<()> {
+        {
+            let mut inner = self.shared.lock();
+            if inner.active.contains_key(&id) || inner.finished.iter().any(|&(j, _)| j == id) {
+                return Err(CoreError::InvalidArgument(format!(
+                    "job id {id} is already in flight or its result has not been taken"
+                )));
+            }
+            inner.active.insert(id, JobState::Queued);
+        }
+        let shared = Arc::clone(&self.shared);
+        pool.spawn(move || {
+            let start = {
+                let mut inner = shared.lock();
+                let state = inner.active.get_mut(&id);
+                match state {
+                    Some(s) if *s == JobState::Queued => {
+                        *s = JobState::Running;
+                        true
+                    }
+                    _ => false,
+                }
+            };
+            let ok = start && catch_unwind(AssertUnwindSafe(work)).is_ok();
+            let mut inner = shared.lock();
+            inner.active.remove(&id);
+            inner.finished.push((id, ok));
+            drop(inner);
+            shared.done.notify_all();
+        });
+        Ok(())
+    }
+
+    /// Cancel job `id` if it has not started: it will report `false` and copy nothing. Returns
+    /// whether it was cancelled (false: unknown, running or finished).
+    #[must_use]
+    pub fn cancel(&self, id: JobId) -> bool {
+        let mut inner = self.shared.lock();
+        match inner.active.get_mut(&id) {
+            Some(s) if *s == JobState::Queued => {
+                *s = JobState::Cancelled;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Take the results of the jobs finished since the last call, in finishing order.
+    #[must_use]
+    pub fn take_finished(&self) -> Vec<(JobId, bool)> {
+        std::mem::take(&mut self.shared.lock().finished)
+    }
+
+    /// Block until none of `ids` is in flight (ids not in flight are already done).
+    pub fn wait(&self, ids: &[JobId]) {
+        let mut inner = self.shared.lock();
+        while ids.iter().any(|id| inner.active.contains_key(id)) {
+            inner = self
+                .shared
+                .done
+                .wait(inner)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Block until no job is in flight.
+    pub fn wait_all(&self) {
+        let mut inner = self.shared.lock();
+        while !inner.active.is_empty() {
+            inner = self
+                .shared
+                .done
+                .wait(inner)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Jobs submitted and not finished.
+    #[must_use]
+    pub fn in_flight(&self) -> usize {
+        self.shared.lock().active.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    #[test]
+    fn results_wait_cancel_and_duplicate_ids() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let q = JobQueue::new();
+        let (tx, rx) = mpsc::channel::<()>();
+        // Job 1 blocks the only worker until we let it go, so job 2 is still queued.
+        q.submit(1, &pool, move || rx.recv().unwrap()).unwrap();
+        q.submit(2, &pool, || {}).unwrap();
+        q.submit(3, &pool, || panic!("a job bug")).unwrap();
+        assert!(q.submit(2, &pool, || {}).is_err());
+        assert_eq!(q.in_flight(), 3);
+        assert!(q.cancel(2));
+        assert!(!q.cancel(2));
+        assert!(!q.cancel(77));
+        tx.send(()).unwrap();
+        q.wait(&[1, 2, 3, 77]);
+        q.wait_all();
+        let mut got = q.take_finished();
+        got.sort_unstable();
+        assert_eq!(got, vec![(1, true), (2, false), (3, false)]);
+        assert!(q.take_finished().is_empty());
+        q.submit(2, &pool, || {}).unwrap(); // taken ids may be reused
+        q.wait_all();
+        assert_eq!(q.take_finished(), vec![(2, true)]);
+    }
+}

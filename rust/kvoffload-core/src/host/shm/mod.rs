@@ -1,0 +1,454 @@
+//! Named shared regions: `/dev/shm/kvoffload.<name>`, one header page then the data.
+//!
+//! The protocol, and why nothing is left behind:
+//! - **Every process using a region holds a shared `flock` on it**, taken before it looks at the
+//!   region. The kernel drops the lock when the process exits or is killed (the mapping holds the
+//!   open file, so the lock lasts exactly as long as the memory is mapped).
+//! - **Publication is atomic**: the creator builds an unnamed file (`O_TMPFILE`), locks it, sizes
+//!   it, writes the header (state `INIT`) and only then links the name; so a named region always
+//!   has a lock holder, and a second creator fails at the link and attaches instead.
+//! - **Whoever can take the lock exclusively is the last user**: on release a process unlocks,
+//!   tries `LOCK_EX | LOCK_NB`, and on success unlinks the name (if it still names the same
+//!   inode). A region whose holders were all killed is found stale the same way by the next
+//!   opener, and by the creator's janitor process, which polls for the exclusive lock and unlinks
+//!   the name as soon as every holder is gone.
+//! - **Failures are visible**: the creator sets the header to `READY`, or to `FAILED` with a
+//!   message (and unlinks the name); attachers wait for either, and give up with an error when the
+//!   creator's pid is gone or the timeout passes. No one waits forever.
+
+mod attach;
+
+use super::region::{last_os_error, Region, RegionInfo, RegionOptions, SharedMode, SharedOptions};
+use super::ChunkLayout;
+use crate::error::{CoreError, Result};
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Where shared regions live.
+pub(crate) const SHM_DIR: &str = "/dev/shm";
+/// File-name prefix of every region.
+pub(crate) const PREFIX: &str = "kvoffload.";
+const MAGIC: u64 = u64::from_le_bytes(*b"KVOFFLD1");
+const INIT: u32 = 0;
+const READY: u32 = 1;
+const FAILED: u32 = 2;
+const MSG_OFFSET: usize = 64;
+const MSG_CAP: usize = 2048;
+
+/// The first bytes of the header page (the failure message follows at `MSG_OFFSET`).
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    state: AtomicU32,
+    creator_pid: AtomicI32,
+    num_chunks: AtomicU64,
+    chunk_bytes: AtomicU64,
+    msg_len: AtomicU32,
+}
+
+/// The open file of a shared region; `release` runs when its `Region` is unmapped.
+pub(crate) struct ShmFile {
+    fd: OwnedFd,
+    path: CString,
+    /// The process that opened it; a forked child leaves the parent's lock and name alone.
+    pid: i32,
+    dev: u64,
+    ino: u64,
+}
+
+impl ShmFile {
+    /// Drop this process's hold; unlink the name if no one else holds the region.
+    pub(crate) fn release(self) {
+        // SAFETY: getpid has no preconditions.
+        if unsafe { libc::getpid() } != self.pid {
+            return;
+        }
+        let fd = self.fd.as_raw_fd();
+        // SAFETY: flock on our own open descriptor.
+        unsafe {
+            libc::flock(fd, libc::LOCK_UN);
+            if libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) == 0 {
+                unlink_if_same(&self.path, self.dev, self.ino);
+            }
+        }
+    }
+}
+
+/// Unlink `path` if it still names inode (`dev`, `ino`).
+fn unlink_if_same(path: &CString, dev: u64, ino: u64) {
+    // SAFETY: an all-zero `stat` is a valid value for stat to overwrite.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `path` is NUL-terminated; `st` is writable.
+    if unsafe { libc::stat(path.as_ptr(), &raw mut st) } == 0
+        && st.st_dev == dev
+        && st.st_ino == ino
+    {
+        // SAFETY: `path` is NUL-terminated.
+        unsafe { libc::unlink(path.as_ptr()) };
+    }
+}
+
+fn fstat(fd: &OwnedFd) -> Result<libc::stat> {
+    // SAFETY: an all-zero `stat` is a valid value for fstat to overwrite.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat on our own descriptor.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &raw mut st) } != 0 {
+        return Err(last_os_error("fstat of a shared region"));
+    }
+    Ok(st)
+}
+
+/// The path of region `name`, after checking the name is a plain file name.
+pub(crate) fn region_path(name: &str) -> Result<String> {
+    let ok = !name.is_empty()
+        && name.len() <= 200
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+    if !ok {
+        return Err(CoreError::InvalidArgument(format!(
+            "shared_name must be 1-200 characters of A-Z a-z 0-9 _ - . not starting with '.' (got \
+             {name:?})"
+        )));
+    }
+    Ok(format!("{SHM_DIR}/{PREFIX}{name}"))
+}
+
+enum Step {
+    Done(Region),
+    Exists,
+    Missing,
+    Retry,
+}
+
+/// Create or attach region `shared.name` for `layout`.
+pub(crate) fn open(
+    layout: ChunkLayout,
+    data_len: usize,
+    page: usize,
+    shared: &SharedOptions,
+    options: &RegionOptions,
+) -> Result<Region> {
+    let path = region_path(&shared.name)?;
+    let cpath = CString::new(path.clone()).map_err(|_| CoreError::InvalidArgument(path.clone()))?;
+    let deadline = Instant::now() + shared.attach_timeout;
+    let ctx = Ctx {
+        layout,
+        data_len,
+        page,
+        path: &path,
+        cpath: &cpath,
+        shared,
+        options,
+        deadline,
+    };
+    loop {
+        if shared.mode != SharedMode::Attach {
+            match ctx.create()? {
+                Step::Done(r) => return Ok(r),
+                Step::Exists if shared.mode == SharedMode::Create => {
+                    return Err(CoreError::SharedRegion(format!(
+                        "shared region {path} already exists"
+                    )))
+                }
+                _ => {}
+            }
+        }
+        match ctx.attach()? {
+            Step::Done(r) => return Ok(r),
+            Step::Missing if shared.mode == SharedMode::Attach => {
+                return Err(CoreError::SharedRegion(format!(
+                    "no shared region {path} to attach to"
+                )))
+            }
+            _ => {}
+        }
+        if Instant::now() > deadline {
+            return Err(CoreError::SharedRegion(format!(
+                "could not create or attach {path} before the timeout"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+struct Ctx<'a> {
+    layout: ChunkLayout,
+    data_len: usize,
+    page: usize,
+    path: &'a str,
+    cpath: &'a CString,
+    shared: &'a SharedOptions,
+    options: &'a RegionOptions,
+    deadline: Instant,
+}
+
+/// Map `len` bytes of `fd`, shared.
+fn map_shared(fd: &OwnedFd, len: usize) -> Result<NonNull<u8>> {
+    // SAFETY: a fresh shared mapping of our own descriptor; no existing memory is affected.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(last_os_error("mmap of a shared region"));
+    }
+    NonNull::new(p.cast()).ok_or_else(|| CoreError::Os("mmap returned null".into()))
+}
+
+#[allow(clippy::cast_ptr_alignment)] // mmap returns page-aligned addresses
+fn header<'r>(map: NonNull<u8>) -> &'r Header {
+    // SAFETY: every mapping passed here is at least one page long and page-aligned; the header
+    // is made of atomics, so shared access from several processes is sound.
+    unsafe { &*map.as_ptr().cast::<Header>() }
+}
+
+impl Ctx<'_> {
+    fn info(&self, creator: bool) -> RegionInfo {
+        RegionInfo {
+            prefault_method: "",
+            prefault_seconds: 0.0,
+            locked: false,
+            huge_pages: false,
+            shared_path: Some(self.path.to_string()),
+            creator,
+        }
+    }
+
+    fn create(&self) -> Result<Step> {
+        let dir = CString::new(SHM_DIR).expect("no NUL");
+        // SAFETY: open with a NUL-terminated path; the result is checked.
+        let raw = unsafe {
+            libc::open(
+                dir.as_ptr(),
+                libc::O_TMPFILE | libc::O_RDWR | libc::O_CLOEXEC,
+                0o600,
+            )
+        };
+        if raw < 0 {
+            return Err(last_os_error(
+                "creating an unnamed file in /dev/shm (O_TMPFILE)",
+            ));
+        }
+        // SAFETY: `raw` is a fresh descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let total = self.page + self.data_len;
+        super::region::check_available(total)?;
+        let size = libc::off_t::try_from(total)
+            .map_err(|_| CoreError::InvalidArgument("region too large".into()))?;
+        // SAFETY: lock and size our own descriptor. fallocate reserves the memory now, so a full
+        // /dev/shm is an error here rather than a SIGBUS at first touch.
+        unsafe {
+            if libc::flock(fd.as_raw_fd(), libc::LOCK_SH) != 0 {
+                return Err(last_os_error("flock of a new shared region"));
+            }
+            if libc::fallocate(fd.as_raw_fd(), 0, 0, size) != 0 {
+                return Err(CoreError::Os(format!(
+                    "reserving {total} bytes in /dev/shm failed: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+        }
+        let map = map_shared(&fd, total)?;
+        let h = header(map);
+        // SAFETY: getpid has no preconditions.
+        h.creator_pid
+            .store(unsafe { libc::getpid() }, Ordering::Relaxed);
+        h.num_chunks
+            .store(self.layout.num_chunks() as u64, Ordering::Relaxed);
+        h.chunk_bytes
+            .store(self.layout.chunk_bytes() as u64, Ordering::Relaxed);
+        h.state.store(INIT, Ordering::Relaxed);
+        h.magic.store(MAGIC, Ordering::Release);
+        let proc_path = CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd())).expect("no NUL");
+        // SAFETY: both paths are NUL-terminated; linkat publishes the file under its name, or
+        // fails with EEXIST when the name is taken.
+        let rc = unsafe {
+            libc::linkat(
+                libc::AT_FDCWD,
+                proc_path.as_ptr(),
+                libc::AT_FDCWD,
+                self.cpath.as_ptr(),
+                libc::AT_SYMLINK_FOLLOW,
+            )
+        };
+        if rc != 0 {
+            let err = std::io::Error::last_os_error();
+            // SAFETY: unmap the mapping made above; nothing else refers to it.
+            unsafe { libc::munmap(map.as_ptr().cast(), total) };
+            if err.raw_os_error() == Some(libc::EEXIST) {
+                return Ok(Step::Exists);
+            }
+            return Err(CoreError::Os(format!(
+                "publishing {} failed: {err}",
+                self.path
+            )));
+        }
+        let st = fstat(&fd)?;
+        let file = ShmFile {
+            fd,
+            path: self.cpath.clone(),
+            pid: h.creator_pid.load(Ordering::Relaxed),
+            dev: st.st_dev,
+            ino: st.st_ino,
+        };
+        let mut region = Region::from_mapping(
+            map,
+            total,
+            self.page,
+            self.layout.total_bytes(),
+            self.data_len,
+            self.info(true),
+            file,
+        );
+        let result = self
+            .spawn_janitor(st.st_dev, st.st_ino)
+            .and_then(|()| self.test_stall())
+            .and_then(|()| region.setup(self.options, true));
+        match result {
+            Ok(()) => {
+                h.state.store(READY, Ordering::Release);
+                Ok(Step::Done(region))
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                let n = msg.len().min(MSG_CAP);
+                // SAFETY: the message area lies inside the header page; attachers read it only
+                // after seeing FAILED, which is stored with Release after this write.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(msg.as_ptr(), map.as_ptr().add(MSG_OFFSET), n);
+                }
+                h.msg_len.store(n as u32, Ordering::Relaxed);
+                h.state.store(FAILED, Ordering::Release);
+                unlink_if_same(self.cpath, st.st_dev, st.st_ino);
+                Err(e)
+            }
+        }
+    }
+
+    fn test_stall(&self) -> Result<()> {
+        if let Some((pause, fail)) = self.options.test_creator_stall {
+            std::thread::sleep(pause);
+            if fail {
+                return Err(CoreError::SharedRegion(
+                    "injected creator failure (test)".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn spawn_janitor(&self, dev: u64, ino: u64) -> Result<()> {
+        use std::os::unix::process::CommandExt;
+        use std::process::{Command, Stdio};
+        let Some(argv) = self.shared.janitor.as_ref().filter(|a| !a.is_empty()) else {
+            return Ok(());
+        };
+        let mut child = Command::new(&argv[0])
+            .args(&argv[1..])
+            .arg(self.path)
+            .arg(dev.to_string())
+            .arg(ino.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .map_err(|e| {
+                CoreError::Os(format!(
+                    "starting the janitor of {} ({:?}) failed: {e}",
+                    self.path, argv[0]
+                ))
+            })?;
+        // Reap it whenever it exits, so it never lingers as a zombie.
+        std::thread::Builder::new()
+            .name("kvoffload-janitor-reaper".into())
+            .spawn(move || child.wait())
+            .map_err(|e| CoreError::Os(format!("starting the janitor reaper failed: {e}")))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn shared(name: &str, mode: SharedMode) -> RegionOptions {
+        RegionOptions {
+            shared: Some(SharedOptions {
+                name: name.to_string(),
+                mode,
+                attach_timeout: Duration::from_secs(5),
+                janitor: None,
+            }),
+            ..RegionOptions::default()
+        }
+    }
+
+    fn unique(tag: &str) -> String {
+        // SAFETY: getpid has no preconditions.
+        format!("coretest-{tag}-{}", unsafe { libc::getpid() })
+    }
+
+    #[test]
+    fn create_attach_share_bytes_and_clean_up() {
+        let name = unique("share");
+        let path = region_path(&name).unwrap();
+        let layout = ChunkLayout::new(3, 5000).unwrap();
+        let a = Region::new(layout, &shared(&name, SharedMode::Create)).unwrap();
+        assert!(a.info().creator);
+        assert!(Path::new(&path).exists());
+        assert!(Region::new(layout, &shared(&name, SharedMode::Create)).is_err());
+        let b = Region::new(layout, &shared(&name, SharedMode::CreateOrAttach)).unwrap();
+        assert!(!b.info().creator);
+        assert_eq!(b.len(), 15000);
+        // SAFETY: one write through `a`, then a read through `b`; nothing runs concurrently.
+        unsafe {
+            a.as_ptr().add(14999).write(42);
+            assert_eq!(b.as_ptr().add(14999).read(), 42);
+        }
+        let wrong = ChunkLayout::new(5, 3000).unwrap();
+        let err = Region::new(wrong, &shared(&name, SharedMode::Attach))
+            .err()
+            .unwrap();
+        assert!(matches!(err, CoreError::SharedRegion(_)), "{err}");
+        drop(a);
+        assert!(Path::new(&path).exists(), "b still holds it");
+        drop(b);
+        assert!(!Path::new(&path).exists());
+        let err = Region::new(layout, &shared(&name, SharedMode::Attach))
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("no shared region"), "{err}");
+    }
+
+    #[test]
+    fn zombies_are_not_alive() {
+        use super::attach::process_alive;
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id() as i32;
+        std::thread::sleep(Duration::from_millis(200)); // it exits; we have not reaped it
+        assert!(!process_alive(pid));
+        child.wait().unwrap();
+        // SAFETY: getpid has no preconditions.
+        assert!(process_alive(unsafe { libc::getpid() }));
+    }
+
+    #[test]
+    fn bad_names_are_refused() {
+        for bad in ["", ".x", "a/b", "a b", &"x".repeat(201)] {
+            assert!(region_path(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,280 @@
+"""Shared pools under /dev/shm, with real processes: the same bytes seen by both, sizes checked on
+attach, a creator's failure or death visible to attachers (no hang), and nothing left in /dev/shm
+afterwards, also when processes were killed. Every test checks the last point (``shm_name``)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvoffload import HostPool, InvalidArgumentError, SharedRegionError
+
+SHM = Path("/dev/shm")
+pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
+
+# Creates (or attaches), writes chunk 3, then follows commands from stdin.
+WORKER = """
+import sys
+import numpy as np
+from kvoffload import HostPool
+name, mode = sys.argv[1], sys.argv[2]
+pool = HostPool(8, 4096, shared_name=name, shared_mode=mode, register_cuda=False)
+view = pool.view()
+if pool.stats().creator:
+    view[3] = np.arange(4096) % 251
+print("ready", pool.stats().creator, int(view[3, 300]), flush=True)
+for line in sys.stdin:
+    if line.strip() == "read":
+        print("seen", int(view[5, 7]), flush=True)
+    else:
+        break
+pool.close()
+print("closed", flush=True)
+"""
+
+# A creator that publishes the region, stalls, then fails or sets it up (test hook of the core).
+STALLING_CREATOR = """
+import sys
+from kvoffload import _native
+from kvoffload.memory import _JANITOR
+try:
+    _native.HostMemory(
+        8, 4096, num_threads=1, lock_pages=False, huge_pages=False, shared_name=sys.argv[1],
+        shared_mode="create", janitor=_JANITOR,
+        test_creator_stall=(float(sys.argv[2]), sys.argv[3] == "fail"),
+    )
+except Exception as e:
+    print(type(e).__name__, e, flush=True)
+"""
+
+
+def path_of(name: str) -> Path:
+    return SHM / f"kvoffload.{name}"
+
+
+def wait_for(cond: object, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if callable(cond) and cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture
+def shm_name() -> Iterator[str]:
+    """A fresh region name; after the test its file must be gone (janitors get 10 s)."""
+    name = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield name
+    assert wait_for(lambda: not path_of(name).exists()), f"{path_of(name)} was left behind"
+
+
+def holds_lock(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` holds an flock on ``path`` (from /proc/locks)."""
+    try:
+        ino = path.stat().st_ino
+        locks = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return False
+    for line in locks:
+        fields = line.split()
+        if "->" in fields:  # a waiter, not a holder
+            continue
+        if (
+            len(fields) >= 6
+            and fields[1] == "FLOCK"
+            and fields[4] == str(pid)
+            and fields[5].rsplit(":", 1)[-1] == str(ino)
+        ):
+            return True
+    return False
+
+
+def spawn(script: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def ask(proc: subprocess.Popen[str], line: str | None = None) -> str:
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    if line is not None:
+        proc.stdin.write(line + "\n")
+        proc.stdin.flush()
+    return proc.stdout.readline().strip()
+
+
+def finish(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate(timeout=30)
+
+
+def test_two_processes_share_bytes_and_leave_nothing(shm_name: str) -> None:
+    creator = spawn(WORKER, shm_name, "create")
+    try:
+        assert ask(creator) == f"ready True {300 % 251}"
+        with HostPool(8, 4096, shared_name=shm_name, shared_mode="attach") as pool:
+            stats = pool.stats()
+            assert not stats.creator
+            assert stats.shared_path == str(path_of(shm_name))
+            view = pool.view()
+            assert (view[3] == np.arange(4096) % 251).all()  # the creator's bytes
+            view[5, 7] = 123
+            assert ask(creator, "read") == "seen 123"  # ours, seen by the creator
+            assert ask(creator, "quit") == "closed"
+            assert creator.wait(timeout=30) == 0
+            assert path_of(shm_name).exists()  # we still use it
+            assert view[5, 7] == 123
+            del view  # a live view would keep the region (and its name) in use
+        assert not path_of(shm_name).exists()  # the last user removed it at once
+    finally:
+        finish(creator)
+
+
+def test_creator_killed_while_an_attacher_lives(shm_name: str) -> None:
+    creator = spawn(WORKER, shm_name, "create")
+    try:
+        assert ask(creator).startswith("ready True")
+        pool = HostPool(8, 4096, shared_name=shm_name, shared_mode="attach")
+        os.kill(creator.pid, signal.SIGKILL)
+        creator.wait(timeout=30)
+        view = pool.view()
+        assert view[3, 300] == 300 % 251  # the memory outlives its creator
+        view[0] = 1
+        pool.close()
+        del view
+        assert not path_of(shm_name).exists()
+    finally:
+        finish(creator)
+
+
+def test_all_users_killed_the_janitor_removes_the_name(shm_name: str) -> None:
+    creator = spawn(WORKER, shm_name, "create")
+    attacher = None
+    try:
+        assert ask(creator).startswith("ready True")
+        attacher = spawn(WORKER, shm_name, "attach")
+        assert ask(attacher) == f"ready False {300 % 251}"
+        for proc in (creator, attacher):
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        # No process is left to clean up: the creator's janitor does (checked by shm_name).
+        assert wait_for(lambda: not path_of(shm_name).exists())
+    finally:
+        finish(creator)
+        if attacher is not None:
+            finish(attacher)
+
+
+def test_a_creators_failure_reaches_the_attacher(shm_name: str) -> None:
+    creator = spawn(STALLING_CREATOR, shm_name, "4.0", "fail")
+    try:
+        assert wait_for(path_of(shm_name).exists)
+        with pytest.raises(SharedRegionError, match="injected creator failure"):
+            HostPool(8, 4096, shared_name=shm_name, shared_mode="attach")
+        assert "injected creator failure" in ask(creator)
+    finally:
+        finish(creator)
+
+
+def test_a_creator_killed_during_setup_does_not_hang_the_attacher(shm_name: str) -> None:
+    creator = spawn(STALLING_CREATOR, shm_name, "600", "ok")
+    errors: list[BaseException] = []
+
+    def attach() -> None:
+        try:
+            HostPool(8, 4096, shared_name=shm_name, shared_mode="attach")
+        except BaseException as e:
+            errors.append(e)
+
+    try:
+        assert wait_for(path_of(shm_name).exists)
+        waiter = threading.Thread(target=attach)
+        waiter.start()
+        # Kill only once the attacher holds the region and waits (its flock shows in /proc).
+        assert wait_for(lambda: holds_lock(os.getpid(), path_of(shm_name)))
+        os.kill(creator.pid, signal.SIGKILL)
+        waiter.join(timeout=30)
+        assert not waiter.is_alive()
+        assert len(errors) == 1
+        assert isinstance(errors[0], SharedRegionError)
+        assert "exited before the region was ready" in str(errors[0])
+    finally:
+        finish(creator)
+
+
+def test_attach_times_out(shm_name: str) -> None:
+    creator = spawn(STALLING_CREATOR, shm_name, "600", "ok")
+    try:
+        assert wait_for(path_of(shm_name).exists)
+        t0 = time.monotonic()
+        with pytest.raises(SharedRegionError, match="timed out"):
+            HostPool(8, 4096, shared_name=shm_name, shared_mode="attach", attach_timeout=0.3)
+        assert time.monotonic() - t0 < 20
+    finally:
+        finish(creator)
+
+
+def test_sizes_are_checked_on_attach(shm_name: str) -> None:
+    with HostPool(8, 4096, shared_name=shm_name) as pool:
+        pool.view()[:] = 7
+        for n, cb in ((4, 4096), (8, 4095), (16, 2048)):
+            with pytest.raises(SharedRegionError, match="holds 8 chunks of 4096 bytes"):
+                HostPool(n, cb, shared_name=shm_name)
+        assert (pool.view() == 7).all()
+        with pytest.raises(SharedRegionError, match="already exists"):
+            HostPool(8, 4096, shared_name=shm_name, shared_mode="create")
+        with HostPool(8, 4096, shared_name=shm_name) as again:  # create_or_attach attaches
+            assert not again.stats().creator
+            assert (again.view() == 7).all()
+
+
+def test_attach_to_nothing(shm_name: str) -> None:
+    with pytest.raises(SharedRegionError, match="no shared region"):
+        HostPool(8, 4096, shared_name=shm_name, shared_mode="attach")
+
+
+def test_a_stale_region_is_replaced(shm_name: str) -> None:
+    # A file no process holds (everyone using it was killed, janitor too) is stale.
+    path_of(shm_name).write_bytes(b"\x00" * 8192)
+    with HostPool(2, 4096, shared_name=shm_name) as pool:
+        assert pool.stats().creator
+    path_of(shm_name).write_bytes(b"\x00" * 8192)
+    with pytest.raises(SharedRegionError, match="no shared region"):
+        HostPool(2, 4096, shared_name=shm_name, shared_mode="attach")
+
+
+def test_a_foreign_file_is_refused(shm_name: str) -> None:
+    path = path_of(shm_name)
+    path.write_bytes(b"\x01" * 8192)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # held, so not stale
+        with pytest.raises(SharedRegionError, match="not a kvoffload region"):
+            HostPool(1, 4096, shared_name=shm_name)
+        assert path.read_bytes() == b"\x01" * 8192
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
+@pytest.mark.parametrize("name", ["", ".hidden", "a/b", "sp ace", "x" * 201])
+def test_bad_names(name: str) -> None:
+    with pytest.raises(InvalidArgumentError):
+        HostPool(1, 4096, shared_name=name)
