@@ -2,7 +2,7 @@
 //! built after the lock is released (no Python runs while a Rust lock is held).
 
 use crate::errors::{poisoned, raise, to_py};
-use crate::keys::{build, one_key, position_value, result_types, Context, Keys};
+use crate::keys::{build, one_key, position_value, result_types, Context, Keys, ResultTypes};
 use crate::request::RequestState;
 use kvoffload_core::{self as core, Lookup, Manager, ManagerConfig, PolicyKind, PolicyState};
 use numpy::PyArray1;
@@ -65,9 +65,19 @@ pub(crate) struct ManagerCore {
     inner: Mutex<Core>,
     /// Whether the policy reads token positions during calls (LRU does; ARC only at finish).
     reads_positions: bool,
+    /// The classes results are built from when not `kvoffload.types`' (vLLM's, say).
+    types: Option<ResultTypes>,
 }
 
 impl ManagerCore {
+    /// The classes this manager builds its results from.
+    fn types<'a>(&'a self, py: Python<'a>) -> PyResult<&'a ResultTypes> {
+        match &self.types {
+            Some(t) => Ok(t),
+            None => result_types(py),
+        }
+    }
+
     /// The manager, locked. A poisoned lock's guard is dropped before the Python error is made.
     fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, Core>> {
         self.inner
@@ -196,10 +206,13 @@ fn lookup_index(l: Lookup) -> usize {
 }
 
 /// A `CPULoadStoreSpec` over the chunk ids (numpy int32, owned by numpy).
-fn spec<'py>(py: Python<'py>, chunks: &[core::ChunkId]) -> PyResult<Bound<'py, PyAny>> {
+fn spec<'py>(
+    py: Python<'py>,
+    types: &ResultTypes,
+    chunks: &[core::ChunkId],
+) -> PyResult<Bound<'py, PyAny>> {
     let ids: Vec<i32> = chunks.iter().map(|&c| c as i32).collect();
     let array = PyArray1::from_slice(py, &ids);
-    let types = result_types(py)?;
     build(
         types.cpu_spec.bind(py),
         &[(intern!(py, "block_ids"), array.into_any())],
@@ -209,7 +222,9 @@ fn spec<'py>(py: Python<'py>, chunks: &[core::ChunkId]) -> PyResult<Bound<'py, P
 #[pymethods]
 impl ManagerCore {
     #[new]
-    #[pyo3(signature = (num_chunks, policy, enable_events, store_threshold, max_tracker_size))]
+    #[pyo3(signature = (
+        num_chunks, policy, enable_events, store_threshold, max_tracker_size, result_types=None
+    ))]
     fn new(
         py: Python<'_>,
         num_chunks: i64,
@@ -217,7 +232,9 @@ impl ManagerCore {
         enable_events: bool,
         store_threshold: i64,
         max_tracker_size: i64,
+        result_types: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let types = result_types.map(ResultTypes::from_namespace).transpose()?;
         let bad = |msg: String| raise(py, "InvalidArgumentError", msg);
         let num_chunks = u32::try_from(num_chunks)
             .ok()
@@ -269,6 +286,7 @@ impl ManagerCore {
                 keys: Vec::new(),
             }),
             reads_positions: policy == PolicyKind::Lru,
+            types,
         })
     }
 
@@ -283,9 +301,7 @@ impl ManagerCore {
         let _ = req_context;
         let key = one_key(key)?;
         let found = self.lock(py)?.lookup(key);
-        Ok(result_types(py)?.lookup[lookup_index(found)]
-            .bind(py)
-            .clone())
+        Ok(self.types(py)?.lookup[lookup_index(found)].bind(py).clone())
     }
 
     /// Number of leading keys that are HIT.
@@ -316,7 +332,7 @@ impl ManagerCore {
         if fresh {
             ctx.set_state(state.as_any())?;
         }
-        spec(py, &chunks)
+        spec(py, self.types(py)?, &chunks)
     }
 
     /// Release one pin per key.
@@ -378,12 +394,12 @@ impl ManagerCore {
                 }),
         )?;
         drop(evicted_objs);
-        let types = result_types(py)?;
+        let types = self.types(py)?;
         let output = build(
             types.prepare_store_output.bind(py),
             &[
                 (intern!(py, "keys_to_store"), to_store.into_any()),
-                (intern!(py, "store_spec"), spec(py, &out.chunks)?),
+                (intern!(py, "store_spec"), spec(py, types, &out.chunks)?),
                 (intern!(py, "evicted_keys"), evicted.into_any()),
             ],
         )?;
