@@ -4,8 +4,11 @@
 manager's import chain reaches a few heavy modules (torch, vLLM's logger, the KV-hints protocol,
 the connector metrics module); ``load()`` puts small stand-ins for those in ``sys.modules``, gives
 the ``vllm`` packages whose ``__init__`` would import the world empty package objects, and imports
-the real manager, policies and ``ReqContext`` from the unpacked tree. Nothing of vLLM is copied
-here: the stand-ins expose only what the manager touches.
+the real manager, policies and ``ReqContext`` from the unpacked tree. The CPU offloading spec
+(``cpu/spec.py``) and ``OffloadingSpecFactory`` are imported too: their GPU-side imports (torch,
+triton, vLLM's custom ops, the platform, CUDA runtime and shared-memory helpers) get opaque
+stand-ins and the platform reports no GPU, so everything scheduler-side runs and nothing on a
+device can. Nothing of vLLM is copied here: the stand-ins expose only what is touched.
 
 ``state_of(manager)`` reads vLLM's internal state into kvoffload's introspection layout
 (``resident``, ``policy_state``, ``tracker_state``, ``pool_state``), for debugging divergences
@@ -32,7 +35,20 @@ DEFAULT_ORACLE_DIR = Path(__file__).resolve().parent.parent / ".oracle"
 _MANAGER_MODULE = "vllm.v1.kv_offload.cpu.manager"
 _POLICY_MODULES = ("vllm.v1.kv_offload.cpu.policies.lru", "vllm.v1.kv_offload.cpu.policies.arc")
 # Packages whose real __init__ is heavy or not unpacked: they become empty package objects.
-_HOLLOW_PACKAGES = ("vllm", "vllm.v1", "vllm.v1.metrics", "vllm.utils")
+_HOLLOW_PACKAGES = (
+    "vllm",
+    "vllm.v1",
+    "vllm.v1.metrics",
+    "vllm.utils",
+    "vllm.distributed",
+    "vllm.distributed.device_communicators",
+)
+#: Imported after the manager: the spec, its factory and the config dataclasses.
+_SPEC_MODULES = (
+    "vllm.v1.kv_offload.config",
+    "vllm.v1.kv_offload.factory",
+    "vllm.v1.kv_offload.cpu.spec",
+)
 _METRICS_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics"
 
 
@@ -140,9 +156,75 @@ def _stand_ins(src: Path) -> dict[str, types.ModuleType]:
     return mods
 
 
+class _OpaqueMeta(type):
+    """Placeholder classes whose attributes are placeholder classes (``torch.cuda.Stream``)."""
+
+    def __getattr__(cls, name: str) -> type:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _opaque_class(f"{cls.__name__}.{name}")
+
+
+def _opaque_class(name: str) -> type:
+    return _OpaqueMeta(name, (), {"__init__": lambda self, *args, **kwargs: None})
+
+
+def _opaque_module(name: str) -> types.ModuleType:
+    """A module whose every attribute is a placeholder class (annotations, decorators, names)."""
+    module = _module(name)
+    made: dict[str, type] = {}
+
+    def attr(attr_name: str) -> type:
+        if attr_name.startswith("__"):
+            raise AttributeError(attr_name)
+        if attr_name not in made:
+            made[attr_name] = _opaque_class(attr_name)
+        return made[attr_name]
+
+    module.__getattr__ = attr  # type: ignore[method-assign]
+    return module
+
+
+class _NoGpuPlatform:
+    """Stand-in for vLLM's ``current_platform`` on a machine without an accelerator."""
+
+    def is_cuda_alike(self) -> bool:
+        """No CUDA or ROCm device."""
+        return False
+
+    def is_rocm(self) -> bool:
+        """Not ROCm."""
+        return False
+
+    def is_xpu(self) -> bool:
+        """Not XPU."""
+        return False
+
+
+def _gpu_side_stand_ins() -> dict[str, types.ModuleType]:
+    """The GPU-side modules cpu/spec.py's worker imports reach (none of them runs here)."""
+    return {
+        "vllm.platforms": _module("vllm.platforms", current_platform=_NoGpuPlatform()),
+        "vllm._custom_ops": _opaque_module("vllm._custom_ops"),
+        "vllm.triton_utils": _module(
+            "vllm.triton_utils",
+            HAS_TRITON=False,
+            triton=_opaque_module("triton"),
+            tl=_opaque_module("triton.language"),
+        ),
+        "vllm.utils.torch_utils": _module("vllm.utils.torch_utils", PIN_MEMORY=False),
+        "vllm.distributed.device_communicators.shm_broadcast": _opaque_module(
+            "vllm.distributed.device_communicators.shm_broadcast"
+        ),
+        "vllm.distributed.device_communicators.cuda_wrapper": _opaque_module(
+            "vllm.distributed.device_communicators.cuda_wrapper"
+        ),
+    }
+
+
 def _torch_stand_in() -> types.ModuleType:
-    # base.py names torch.Tensor in a dataclass field annotation, evaluated at import time.
-    return _module("torch", Tensor=type("Tensor", (), {}), dtype=type("dtype", (), {}))
+    # base.py and the worker modules name torch types in annotations evaluated at import time.
+    return _opaque_module("torch")
 
 
 @dataclass(frozen=True)
@@ -153,6 +235,10 @@ class Oracle:
     ReqContext: type
     base: types.ModuleType
     manager_module: types.ModuleType
+    #: ``vllm.v1.kv_offload.config``, ``.factory`` and ``.cpu.spec``.
+    config: types.ModuleType
+    factory: types.ModuleType
+    cpu_spec: types.ModuleType
 
 
 _loaded: Oracle | None = None
@@ -167,7 +253,7 @@ def load() -> Oracle:
     if reason is not None:
         raise RuntimeError(reason)
     src = source_dir()
-    for name, module in _stand_ins(src).items():
+    for name, module in {**_stand_ins(src), **_gpu_side_stand_ins()}.items():
         sys.modules.setdefault(name, module)
         parent, _, leaf = name.rpartition(".")
         if parent:
@@ -181,6 +267,7 @@ def load() -> Oracle:
         for name in _POLICY_MODULES:  # the policy factory imports these lazily
             importlib.import_module(name)
         base = importlib.import_module("vllm.v1.kv_offload.base")
+        config, factory, cpu_spec = (importlib.import_module(name) for name in _SPEC_MODULES)
     finally:
         if previous_torch is None:
             del sys.modules["torch"]
@@ -189,6 +276,9 @@ def load() -> Oracle:
         ReqContext=base.ReqContext,
         base=base,
         manager_module=manager_module,
+        config=config,
+        factory=factory,
+        cpu_spec=cpu_spec,
     )
     return _loaded
 
