@@ -283,6 +283,42 @@ def load() -> Oracle:
     return _loaded
 
 
+def offloading_config(
+    oracle: Oracle,
+    num_chunks: int,
+    extra_config: dict[str, Any],
+    enable_kv_cache_events: bool = True,
+) -> Any:
+    """A one-worker, one-group ``OffloadingConfig`` whose CPU spec sizes exactly ``num_chunks``.
+
+    Each chunk takes one page (vLLM aligns chunks to the page size), and ``cpu_bytes_to_use`` is
+    set to ``num_chunks`` pages plus a remainder smaller than one (so it is never 0).
+    """
+    c = oracle.config
+    page = oracle.cpu_spec.CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
+    return c.OffloadingConfig(
+        groups=(c.OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        worker_kv_bytes_per_block=page,
+        enable_kv_cache_events=enable_kv_cache_events,
+        extra_config={"cpu_bytes_to_use": num_chunks * page + page - 1, **extra_config},
+        engine_id="engine-0",
+        model=c.OffloadingModelConfig(name="model", dtype="float16", max_model_len=4096),
+        cache=c.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=c.OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
 def state_of(manager: Any) -> dict[str, Any]:
     """Read vLLM's internal state into kvoffload's introspection layout (see the driver)."""
     policy = manager._policy

@@ -19,11 +19,12 @@ use hashbrown::HashTable;
 use kvoffload_core::key::KeySlot;
 use kvoffload_core::policy::{Access, FinishedKey, RequestRank};
 use kvoffload_core::{
-    hash_key, ArcPolicy, CachePolicy, ChunkId, ChunkState, KeyBuf, LruPolicy, RefCountTable,
+    hash_key, ArcPolicy, CachePolicy, ChunkId, ChunkState, KeyBuf, LruPolicy, PolicyState,
+    RefCountTable,
 };
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PySet, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
@@ -336,7 +337,14 @@ impl PolicyCore {
         let slices = keys.slices();
         let mut m = self.lock(py)?;
         let access: Vec<Access<'_>> = slices.iter().map(|k| m.access(k, None)).collect();
-        m.policy.on_store_miss(&access);
+        if self.reads_positions {
+            // vLLM's LRU keeps CachePolicy's default: a store miss is a touch. (Its manager only
+            // reports absent keys, for which a touch changes nothing; the core LRU relies on that.)
+            let inner = &mut *m;
+            inner.policy.touch(&access, &inner.refs);
+        } else {
+            m.policy.on_store_miss(&access);
+        }
         Ok(())
     }
 
@@ -533,6 +541,46 @@ impl PolicyCore {
         m.refs.pin(c);
         m.policy.mark_non_evictable(c);
         Ok(())
+    }
+
+    /// The policy's order, in the layout of `CPUOffloadingManager.policy_state()`: LRU ranks by
+    /// key (ranks issued from 0), or ARC's T1/T2/B1/B2 lists (oldest first) and target size.
+    fn policy_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (state, keys) = {
+            let m = self.lock(py)?;
+            let state = m.policy.state();
+            let key = |c: &ChunkId| m.slots[*c as usize].key.to_vec();
+            let keys: Vec<Vec<Vec<u8>>> = match &state {
+                PolicyState::Lru { ranks, .. } => vec![ranks.iter().map(|(c, _)| key(c)).collect()],
+                PolicyState::Arc { t1, t2, .. } => {
+                    vec![t1.iter().map(key).collect(), t2.iter().map(key).collect()]
+                }
+            };
+            (state, keys)
+        };
+        let d = PyDict::new(py);
+        let bytes_list = |ks: &[Vec<u8>]| PyList::new(py, ks.iter().map(|k| PyBytes::new(py, k)));
+        match state {
+            PolicyState::Lru { ranks, next_rank } => {
+                let r = PyDict::new(py);
+                for ((_, rank), k) in ranks.iter().zip(&keys[0]) {
+                    r.set_item(PyBytes::new(py, k), *rank)?;
+                }
+                d.set_item("policy", "lru")?;
+                d.set_item("ranks", r)?;
+                d.set_item("next_rank", next_rank)?;
+            }
+            PolicyState::Arc { b1, b2, target, .. } => {
+                let ghosts = |g: &[KeyBuf]| PyList::new(py, g.iter().map(|k| PyBytes::new(py, k)));
+                d.set_item("policy", "arc")?;
+                d.set_item("t1", bytes_list(&keys[0])?)?;
+                d.set_item("t2", bytes_list(&keys[1])?)?;
+                d.set_item("b1", ghosts(&b1)?)?;
+                d.set_item("b2", ghosts(&b2)?)?;
+                d.set_item("target_t1_size", target)?;
+            }
+        }
+        Ok(d)
     }
 
     /// Number of resident keys.
