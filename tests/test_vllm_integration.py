@@ -2,7 +2,7 @@
 
 Against vLLM's real ``kv_offload`` modules from its PyPI wheel, imported without torch or a GPU
 (``tools/vllm_oracle.py``; ``tools/fetch_vllm.py`` fetches them, and ``scripts/test`` runs it
-first):
+first and then requires these tests to run):
 
 - the spec loads through vLLM's ``OffloadingSpecFactory`` and every extra-config key keeps its
   meaning;
@@ -17,6 +17,7 @@ Without the vLLM sources these tests skip with the command that fetches them.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import random
 import subprocess
 import sys
@@ -36,9 +37,7 @@ RUST_POLICY = {"lru": "RustLRU", "arc": "RustARC"}
 
 @pytest.fixture(scope="module")
 def oracle() -> Any:
-    reason = _driver.vllm_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
+    _driver.require_vllm()
     return _driver._load_tool("vllm_oracle").load()
 
 
@@ -69,6 +68,9 @@ def _key(i: int, group: int = 0) -> bytes:
 # --- importing ---
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None, reason="a real vLLM is installed here"
+)
 def test_module_imports_without_vllm() -> None:
     code = (
         "import sys, kvoffload.integrations.vllm as v\n"

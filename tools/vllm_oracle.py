@@ -28,9 +28,19 @@ from typing import Any
 
 VLLM_VERSION = "0.33.0"
 
-#: Cache directory of tools/fetch_vllm.sh; the environment variable overrides it.
+#: The environment variable naming the oracle directory (its sources are in DIR/src).
 ORACLE_ENV = "KVOFFLOAD_VLLM_ORACLE"
+#: Where tools/fetch_vllm.sh unpacks a local wheel.
 DEFAULT_ORACLE_DIR = Path(__file__).resolve().parent.parent / ".oracle"
+#: When set (scripts/test sets it after fetching), a missing oracle fails the vLLM tests.
+REQUIRE_ENV = "KVOFFLOAD_REQUIRE_VLLM"
+
+
+def user_cache_dir() -> Path:
+    """Where tools/fetch_vllm.py caches the sources: ${XDG_CACHE_HOME:-~/.cache}/kvoffload."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "kvoffload" / f"vllm-{VLLM_VERSION}"
+
 
 _MANAGER_MODULE = "vllm.v1.kv_offload.cpu.manager"
 _POLICY_MODULES = ("vllm.v1.kv_offload.cpu.policies.lru", "vllm.v1.kv_offload.cpu.policies.arc")
@@ -53,8 +63,14 @@ _METRICS_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metri
 
 
 def source_dir() -> Path:
-    """Where fetch_vllm.sh unpacked the vLLM sources."""
-    return Path(os.environ.get(ORACLE_ENV) or DEFAULT_ORACLE_DIR) / "src"
+    """The vLLM sources: $KVOFFLOAD_VLLM_ORACLE/src, else .oracle/src, else the user cache."""
+    env = os.environ.get(ORACLE_ENV)
+    if env:
+        return Path(env) / "src"
+    local = DEFAULT_ORACLE_DIR / "src"
+    if (local / "VLLM_VERSION").is_file():
+        return local
+    return user_cache_dir() / "src"
 
 
 def unavailable_reason() -> str | None:
@@ -63,8 +79,9 @@ def unavailable_reason() -> str | None:
     stamp = src / "VLLM_VERSION"
     if not (src / "vllm/v1/kv_offload/cpu/manager.py").is_file() or not stamp.is_file():
         return (
-            f"vLLM {VLLM_VERSION} oracle not unpacked in {src}: run tools/fetch_vllm.sh "
-            "(or tools/fetch_vllm.sh --wheel PATH to reuse a downloaded wheel)"
+            f"vLLM {VLLM_VERSION} oracle not unpacked in {src}: run tools/fetch_vllm.py "
+            "(its kv_offload files only, ~1.4 MB of range requests), or tools/fetch_vllm.sh "
+            "[--wheel PATH] (the whole wheel)"
         )
     found = stamp.read_text().strip()
     if found != VLLM_VERSION:
