@@ -7,9 +7,11 @@ replay, looking keys up one by one as vLLM's connector does, with vLLM's own ``R
 - ``vllm``: vLLM's ``CPUOffloadingManager`` with its Python LRU (or ARC);
 - ``vllm+rust-policy``: the same manager with ``RustLRU`` (``RustARC``) from
   ``kvoffload.integrations.vllm``, loaded through ``cache_policy_module_path``;
-- ``kvoffload``: kvoffload's Rust manager, through ``KVOffloadCPUOffloadingSpec``.
+- ``kvoffload``: kvoffload's Rust manager, through ``KVOffloadCPUOffloadingSpec``;
+- ``kvoffload (own types)``: the same manager built directly, answering with kvoffload's types
+  and reading kvoffload's ``ReqContext`` (what returning vLLM's types costs: the difference).
 
-All three must give identical answers (a digest over every answer and the final stats); the
+All must give identical answers (a digest over every answer and the final stats); the
 table gives the manager's time per scheduler step (mean, median, 99th percentile, over the steps
 of the fastest of ``--repeat`` replays), the nanoseconds per key passed, and the speed-up over
 vLLM's own manager. Needs vLLM's sources (``tools/fetch_vllm.py``); not part of the test run.
@@ -21,6 +23,7 @@ vLLM's own manager. Needs vLLM's sources (``tools/fetch_vllm.py``); not part of 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -34,10 +37,12 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import vllm_oracle  # noqa: E402
 
+from kvoffload import CPUOffloadingManager  # noqa: E402
 from kvoffload.workload import ReplayResult, WorkloadConfig, generate, replay  # noqa: E402
 
 MODULE = "kvoffload.integrations.vllm"
 RUST_POLICY = {"lru": "RustLRU", "arc": "RustARC"}
+OWN_TYPES = "kvoffload (own types)"
 
 
 def extra_configs(policy: str) -> dict[str, dict[str, Any]]:
@@ -67,8 +72,12 @@ def build(oracle: Any, chunks: int, extra: dict[str, Any], events: bool) -> Call
     return make
 
 
-def run_one(oracle: Any, make: Callable[[], Any], workload: Any, events: bool) -> ReplayResult:
-    """One replay on a fresh manager."""
+def run_one(
+    oracle: Any, name: str, make: Callable[[], Any], workload: Any, events: bool
+) -> ReplayResult:
+    """One replay on a fresh manager, in vLLM's types (kvoffload's for the "own types" row)."""
+    if name == OWN_TYPES:
+        return replay(make(), workload, drain_events=events)
     return replay(
         make(),
         workload,
@@ -120,9 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for policy in args.policies.split(","):
         results: dict[str, ReplayResult] = {}
-        for name, extra in extra_configs(policy).items():
-            make = build(oracle, args.chunks, extra, args.events)
-            runs = [run_one(oracle, make, workload, args.events) for _ in range(args.repeat)]
+        makers = {
+            name: build(oracle, args.chunks, extra, args.events)
+            for name, extra in extra_configs(policy).items()
+        }
+        makers[OWN_TYPES] = functools.partial(
+            CPUOffloadingManager, args.chunks, policy, enable_events=args.events
+        )
+        for name, make in makers.items():
+            runs = [run_one(oracle, name, make, workload, args.events) for _ in range(args.repeat)]
             results[name] = min(runs, key=lambda r: r.total_ns)
         base = results["vllm"]
         for name, result in results.items():

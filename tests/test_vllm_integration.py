@@ -114,6 +114,14 @@ def test_spec_loads_through_vllms_factory(oracle: Any, vllm_mod: Any) -> None:
         )
 
 
+def test_worker_side_is_vllms(oracle: Any, vllm_mod: Any) -> None:
+    spec = _spec(oracle, 4, OURS)
+    assert type(spec).get_worker is oracle.cpu_spec.CPUOffloadingSpec.get_worker
+    # Without a GPU (the stand-in platform reports none), vLLM's own worker refuses to start.
+    with pytest.raises(Exception, match="only supported on CUDA-alike"):
+        spec.get_worker(None)
+
+
 def test_spec_needs_cpu_bytes_to_use_like_vllms(oracle: Any) -> None:
     config = _config(oracle, 4, OURS)
     extra = dict(config.extra_config)
