@@ -14,7 +14,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::ManagerCore>()?;
     m.add_class::<request::RequestState>()?;
     m.add_class::<policy::PolicyCore>()?;
-    m.add_class::<policy::PolicyRequestRank>()?;
+    m.add_class::<request::PolicyRequestRank>()?;
     m.add_function(wrap_pyfunction!(keys::register_context_type, m)?)?;
     m.add_function(wrap_pyfunction!(errors::_raise_core_error, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -13,10 +13,12 @@
 //! read first, the lock is taken for the pure-Rust work only, and the results are built after it
 //! is released.
 
+mod slots;
+
 use crate::errors::{poisoned, raise, to_py};
 use crate::keys::{one_key, Context, Keys};
+use crate::request::PolicyRequestRank;
 use hashbrown::HashTable;
-use kvoffload_core::key::KeySlot;
 use kvoffload_core::policy::{Access, FinishedKey, RequestRank};
 use kvoffload_core::{
     hash_key, ArcPolicy, CachePolicy, ChunkId, ChunkState, KeyBuf, LruPolicy, PolicyState,
@@ -25,98 +27,12 @@ use kvoffload_core::{
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};
+use slots::Inner;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// Owner ids of policies, so a request's rank is only read back by the policy that issued it.
 static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
-
-/// The rank a policy gave one request, stored on the request's context (`ctx.set_state`); read
-/// back only by the same policy in the same cache generation (vLLM's LRU keeps the same tag).
-#[pyclass(frozen, module = "kvoffload._native")]
-pub(crate) struct PolicyRequestRank {
-    owner: u64,
-    generation: u64,
-    rank: u64,
-}
-
-/// The policy and its slot bookkeeping.
-struct Inner {
-    policy: Box<dyn CachePolicy>,
-    /// Mirror of each slot's state: -1 pending, 0 evictable, 1 pinned.
-    refs: RefCountTable,
-    /// Key bytes and hash of each slot (the core policies read them for ties and ghosts).
-    slots: Vec<KeySlot>,
-    /// `(key object, chunk object)` of each occupied slot.
-    objs: Vec<Option<(Py<PyBytes>, Py<PyAny>)>>,
-    /// Resident key -> slot, by `hash_key`; equality through `slots`.
-    index: HashTable<ChunkId>,
-    /// Vacant slots below `slots.len()`, the next to reuse last.
-    free: Vec<ChunkId>,
-    /// Bumped by `clear`: request ranks of earlier generations are stale.
-    generation: u64,
-}
-
-impl Inner {
-    fn find(&self, key: &[u8], hash: u64) -> Option<ChunkId> {
-        self.index
-            .find(hash, |&c| self.slots[c as usize].key.as_slice() == key)
-            .copied()
-    }
-
-    fn access<'k>(&self, key: &'k [u8], position: Option<i64>) -> Access<'k> {
-        let hash = hash_key(key);
-        Access {
-            key,
-            hash,
-            chunk: self.find(key, hash),
-            position,
-        }
-    }
-
-    /// Take a vacant slot for `key`, growing every per-slot table when none is free.
-    fn occupy(&mut self, key: &[u8], hash: u64, objs: (Py<PyBytes>, Py<PyAny>)) -> ChunkId {
-        let c = if let Some(c) = self.free.pop() {
-            c
-        } else {
-            let c = self.slots.len() as ChunkId;
-            let n = self.slots.len() + 1;
-            self.slots.resize_with(n, KeySlot::default);
-            self.objs.resize_with(n, || None);
-            self.refs.grow(n);
-            self.policy.grow(n);
-            c
-        };
-        let slot = &mut self.slots[c as usize];
-        slot.key = KeyBuf::from_slice(key);
-        slot.hash = hash;
-        slot.resident = true;
-        self.objs[c as usize] = Some(objs);
-        let slots = &self.slots;
-        self.index
-            .insert_unique(hash, c, |&d| slots[d as usize].hash);
-        c
-    }
-
-    /// Vacate slot `c` (already dropped by the policy and the ref counts); returns its objects
-    /// for the caller to release after the lock.
-    fn vacate(&mut self, c: ChunkId) -> Option<(Py<PyBytes>, Py<PyAny>)> {
-        let slot = &mut self.slots[c as usize];
-        let hash = slot.hash;
-        slot.key = KeyBuf::new();
-        slot.resident = false;
-        if let Ok(entry) = self.index.find_entry(hash, |&d| d == c) {
-            entry.remove();
-        }
-        self.free.push(c);
-        self.objs[c as usize].take()
-    }
-
-    /// Whether `rank` was issued by this policy in the current generation.
-    fn current_rank(&self, owner: u64, rank: Option<(u64, u64, u64)>) -> RequestRank {
-        rank.and_then(|(o, g, r)| (o == owner && g == self.generation).then_some(r))
-    }
-}
 
 /// A kvoffload-core policy (LRU or ARC) run through vLLM's `CachePolicy` calls.
 #[pyclass(frozen, module = "kvoffload._native")]
