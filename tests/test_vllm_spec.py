@@ -215,6 +215,30 @@ def test_a_scenario_in_vllms_types(oracle: Any, vllm_mod: Any) -> None:
     assert mgr.get_load_source(keys[0], ctx) is mm.CacheHitSource.HOST
 
 
+def test_stats_go_through_vllms_metrics_code(oracle: Any, vllm_mod: Any) -> None:
+    # What vLLM's scheduler does with a manager's stats: aggregate them into the connector's own
+    # payload (which asserts the class), add the config info once, reduce for the log line.
+    stats_cls = oracle.manager_module.OffloadingConnectorStats
+    payloads = []
+    for extra in (OURS, {}):
+        mgr = make_spec(oracle, 3, {**extra, "store_threshold": 2}).get_manager()
+        ctx = oracle.ReqContext("r")
+        mgr.on_new_request(ctx)
+        for batch in ([key(1), key(2)], [key(1), key(2), key(3)], [key(3), key(4), key(5)]):
+            out = mgr.prepare_store(batch, ctx)
+            if out is not None:
+                mgr.complete_store(out.keys_to_store, ctx)
+        connector = stats_cls()
+        connector.increase_counter("vllm:kv_offload_transfer_ops", 2)
+        manager_stats = mgr.get_stats()
+        assert type(manager_stats) is stats_cls
+        merged = connector.aggregate(manager_stats)
+        merged.set_info(mgr.config_info())
+        payloads.append((merged.data, merged.reduce(), merged.is_empty()))
+    assert payloads[0] == payloads[1]
+    assert payloads[0][1]["vllm:kv_offload_stores_skipped"] == 5  # 1, 2; 3; 4, 5
+
+
 def test_context_class_registration(oracle: Any, vllm_mod: Any) -> None:
     from kvoffload import InvalidArgumentError, _native
 

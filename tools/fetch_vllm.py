@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """Fetch only vLLM 0.33.0's kv_offload sources from its PyPI wheel, verified, into a cache.
 
-The wheel is 336 MB; the tests need about 60 of its pure-Python files (the ``vllm/v1/kv_offload``
-package and two leaf modules it imports). A wheel is a zip whose central directory sits at its
-end, so this reads the directory and those members with HTTP range requests against the wheel's
-URL (found through PyPI's JSON API), a few hundred kB in all, and never the rest.
+The wheel is 336 MB; the tests need about 50 of its pure-Python files (the ``vllm/v1/kv_offload``
+package, two leaf modules it imports and the connector's two metrics modules). A wheel is a zip
+whose central directory sits at its end, so this reads the directory and those members with HTTP
+range requests against the wheel's URL (found through PyPI's JSON API): about 1.4 MB in all, most
+of it the directory of the wheel's 5,800 files, and never the rest.
 
 Trust: the wheel's sha256 and its ``RECORD``'s sha256 are pinned below. ``RECORD`` is checked
 against its pin, and every extracted file against its line in ``RECORD``; nothing is written
-unless all of them match. The wheel's sha256 is checked against PyPI's metadata (a range read
-cannot hash the whole wheel; ``tools/fetch_vllm.sh --wheel`` reads a complete local one).
+unless all of them match. The index must list the wheel with the pinned sha256 (a range read
+cannot hash the whole wheel).
 
 Usage: tools/fetch_vllm.py [--dest DIR] [--quiet]
   DIR defaults to $KVOFFLOAD_VLLM_ORACLE, else ${XDG_CACHE_HOME:-~/.cache}/kvoffload/vllm-0.33.0;
@@ -45,7 +46,13 @@ WHEEL_SHA256 = "4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa
 RECORD = f"vllm-{VERSION}.dist-info/RECORD"
 RECORD_SHA256 = "a860951d44545b1b68c2d1484b9a03bbde52f6eae34850a6c22741c60ac386c4"
 #: The members tools/vllm_oracle.py imports (prefixes end in "/").
-MEMBERS = ("vllm/v1/kv_offload/", "vllm/v1/metrics/cache_hit_source.py", "vllm/utils/math_utils.py")
+MEMBERS = (
+    "vllm/v1/kv_offload/",
+    "vllm/v1/metrics/cache_hit_source.py",
+    "vllm/utils/math_utils.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py",
+)
 METADATA_URLS = (
     f"https://pypi.org/pypi/vllm/{VERSION}/json",
     "https://pypi.org/pypi/vllm/json",

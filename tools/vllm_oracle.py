@@ -18,6 +18,7 @@ below the public observables.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -77,7 +78,8 @@ def unavailable_reason() -> str | None:
     """Why the oracle cannot be loaded, or None when it can."""
     src = source_dir()
     stamp = src / "VLLM_VERSION"
-    if not (src / "vllm/v1/kv_offload/cpu/manager.py").is_file() or not stamp.is_file():
+    needed = ("vllm/v1/kv_offload/cpu/manager.py", _METRICS_MODULE.replace(".", "/") + ".py")
+    if not all((src / path).is_file() for path in needed) or not stamp.is_file():
         return (
             f"vLLM {VLLM_VERSION} oracle not unpacked in {src}: run tools/fetch_vllm.py "
             "(its kv_offload files only, ~1.4 MB of range requests), or tools/fetch_vllm.sh "
@@ -90,33 +92,6 @@ def unavailable_reason() -> str | None:
     if loaded is not None and not getattr(loaded, "__kvoffload_oracle__", False):
         return "a real 'vllm' package is already imported in this process"
     return None
-
-
-class _StatsStandIn:
-    """Stand-in for vLLM's OffloadingConnectorStats: the same self-describing ``data`` layout."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, Any] = {"types": {}, "data": {}, "info": None}
-
-    def _series(self, name: str, kind: str) -> dict[tuple[str, ...], Any]:
-        self.data["types"].setdefault(name, kind)
-        series: dict[tuple[str, ...], Any] = self.data["data"].setdefault(name, {})
-        return series
-
-    def set_gauge(self, name: str, value: float, labelvalues: tuple[str, ...] = ()) -> None:
-        """Replace a gauge's value."""
-        self._series(name, "gauge")[labelvalues] = value
-
-    def increase_counter(
-        self, name: str, value: float = 1, labelvalues: tuple[str, ...] = ()
-    ) -> None:
-        """Add to a counter."""
-        series = self._series(name, "counter")
-        series[labelvalues] = series.get(labelvalues, 0) + value
-
-    def observe_histogram(self, name: str, value: float, labelvalues: tuple[str, ...] = ()) -> None:
-        """Append a histogram sample."""
-        self._series(name, "histogram").setdefault(labelvalues, []).append(value)
 
 
 class _QuietLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -150,12 +125,18 @@ def _stand_ins(src: Path) -> dict[str, types.ModuleType]:
     mods: dict[str, types.ModuleType] = {}
     for name in _HOLLOW_PACKAGES:
         mods[name] = _module(name, src.joinpath(*name.split(".")))
-    # The connector metrics module and its packages exist only as stand-ins.
+    # The packages above the connector's metrics module are empty; the module itself (with
+    # vLLM's OffloadingConnectorStats) and the connector's base metrics module are vLLM's own.
+    # What those reach beyond: vLLM's config classes, the connector factory and Prometheus.
     parts = _METRICS_MODULE.split(".")
     for i in range(2, len(parts)):
         name = ".".join(parts[:i])
         mods[name] = _module(name, src.joinpath(*parts[:i]))
-    mods[_METRICS_MODULE] = _module(_METRICS_MODULE, OffloadingConnectorStats=_StatsStandIn)
+    mods["vllm.config"] = _opaque_module("vllm.config")
+    factory = "vllm.distributed.kv_transfer.kv_connector.factory"
+    mods[factory] = _opaque_module(factory)
+    if importlib.util.find_spec("prometheus_client") is None:
+        mods["prometheus_client"] = _opaque_module("prometheus_client")
     mods["vllm.logger"] = _module(
         "vllm.logger",
         init_logger=lambda name: _QuietLogger(logging.getLogger(name), {}),
