@@ -246,3 +246,15 @@ def test_context_class_registration(oracle: Any, vllm_mod: Any) -> None:
     _native.register_context_type(oracle.ReqContext)  # again: a no-op
     with pytest.raises(InvalidArgumentError, match="already registered"):
         _native.register_context_type(dict)
+
+
+def test_another_vllm_version_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import kvoffload.integrations.vllm as integration
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.34.0"))
+    monkeypatch.setattr(integration, "_built", {})
+    monkeypatch.setattr(integration, "_BUILDERS", {"RustLRU": lambda: int})
+    with pytest.warns(RuntimeWarning, match="tested against vLLM 0.33.0; this is vLLM 0.34.0"):
+        assert integration.RustLRU is int

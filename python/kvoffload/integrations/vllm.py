@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -254,8 +256,22 @@ _BUILDERS: dict[str, Callable[[], type]] = {
 }
 
 
+def _check_version() -> None:
+    # Only the version of a vLLM already imported (vLLM's own process); importing it here would
+    # be slow, and the test oracle's stand-in package has no version.
+    version = getattr(sys.modules.get("vllm"), "__version__", None)
+    if isinstance(version, str) and version != VLLM_VERSION:
+        warnings.warn(
+            f"kvoffload.integrations.vllm is written and tested against vLLM {VLLM_VERSION}; "
+            f"this is vLLM {version}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def _lookup(name: str) -> Any:
     if name not in _built:
+        _check_version()
         try:
             _built[name] = _BUILDERS[name]()
         except ImportError as e:
