@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
 import random
 import sys
 import time
@@ -326,6 +327,22 @@ def vllm_unavailable_reason() -> str | None:
     """Why the vLLM 0.33.0 oracle cannot run here, or None."""
     reason: str | None = _load_tool("vllm_oracle").unavailable_reason()
     return reason
+
+
+def require_vllm() -> None:
+    """Skip the calling test without the vLLM oracle, or fail it where scripts/test fetched one.
+
+    ``scripts/test`` sets ``KVOFFLOAD_REQUIRE_VLLM=1`` once ``tools/fetch_vllm.py`` has put the
+    sources in place, so the vLLM tests cannot silently skip there.
+    """
+    import pytest
+
+    reason = vllm_unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get(_load_tool("vllm_oracle").REQUIRE_ENV):
+        pytest.fail(f"the vLLM tests are required here, but: {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 def _own_state(mgr: Any) -> dict[str, Any]:

@@ -35,3 +35,20 @@ def make_manager(impl: str) -> Callable[..., Any]:
         return cls(num_chunks, **kwargs)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def oracle() -> Any:
+    """vLLM 0.33.0's kv_offload modules (tools/vllm_oracle.py); skips (or fails) without them."""
+    import _driver
+
+    _driver.require_vllm()
+    return _driver._load_tool("vllm_oracle").load()
+
+
+@pytest.fixture(scope="session")
+def vllm_mod(oracle: Any) -> Any:
+    """``kvoffload.integrations.vllm``, once vLLM's modules are importable."""
+    import kvoffload.integrations.vllm as integration
+
+    return integration

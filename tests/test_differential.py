@@ -38,9 +38,7 @@ MACHINE_SETTINGS = settings(
 
 
 def _oracle() -> str:
-    reason = _driver.vllm_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
+    _driver.require_vllm()
     return "vllm"
 
 

@@ -40,13 +40,16 @@ if [ "$found" != "$version" ]; then
   exit 1
 fi
 
-# Only the offloading package and the two leaf modules it imports; the package __init__ files of
-# vllm/, vllm/v1/, vllm/utils/ ... are left out on purpose (vllm_oracle.py stands in for them).
+# Only the offloading package, the two leaf modules it imports and the connector's two metrics
+# modules; the package __init__ files of vllm/, vllm/v1/, vllm/utils/ ... are left out on purpose
+# (vllm_oracle.py stands in for them). The same members as tools/fetch_vllm.py.
 rm -rf "$dest/src"
 unzip -q -o "$wheel" \
   'vllm/v1/kv_offload/*' \
   'vllm/v1/metrics/cache_hit_source.py' \
   'vllm/utils/math_utils.py' \
+  'vllm/distributed/kv_transfer/kv_connector/v1/metrics.py' \
+  'vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py' \
   -d "$dest/src"
 echo "$version" > "$dest/src/VLLM_VERSION"
 echo "vLLM $version oracle sources unpacked in $dest/src (from $wheel)"

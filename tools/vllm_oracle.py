@@ -4,8 +4,11 @@
 manager's import chain reaches a few heavy modules (torch, vLLM's logger, the KV-hints protocol,
 the connector metrics module); ``load()`` puts small stand-ins for those in ``sys.modules``, gives
 the ``vllm`` packages whose ``__init__`` would import the world empty package objects, and imports
-the real manager, policies and ``ReqContext`` from the unpacked tree. Nothing of vLLM is copied
-here: the stand-ins expose only what the manager touches.
+the real manager, policies and ``ReqContext`` from the unpacked tree. The CPU offloading spec
+(``cpu/spec.py``) and ``OffloadingSpecFactory`` are imported too: their GPU-side imports (torch,
+triton, vLLM's custom ops, the platform, CUDA runtime and shared-memory helpers) get opaque
+stand-ins and the platform reports no GPU, so everything scheduler-side runs and nothing on a
+device can. Nothing of vLLM is copied here: the stand-ins expose only what is touched.
 
 ``state_of(manager)`` reads vLLM's internal state into kvoffload's introspection layout
 (``resident``, ``policy_state``, ``tracker_state``, ``pool_state``), for debugging divergences
@@ -15,6 +18,7 @@ below the public observables.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -25,30 +29,61 @@ from typing import Any
 
 VLLM_VERSION = "0.33.0"
 
-#: Cache directory of tools/fetch_vllm.sh; the environment variable overrides it.
+#: The environment variable naming the oracle directory (its sources are in DIR/src).
 ORACLE_ENV = "KVOFFLOAD_VLLM_ORACLE"
+#: Where tools/fetch_vllm.sh unpacks a local wheel.
 DEFAULT_ORACLE_DIR = Path(__file__).resolve().parent.parent / ".oracle"
+#: When set (scripts/test sets it after fetching), a missing oracle fails the vLLM tests.
+REQUIRE_ENV = "KVOFFLOAD_REQUIRE_VLLM"
+
+
+def user_cache_dir() -> Path:
+    """Where tools/fetch_vllm.py caches the sources: ${XDG_CACHE_HOME:-~/.cache}/kvoffload."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "kvoffload" / f"vllm-{VLLM_VERSION}"
+
 
 _MANAGER_MODULE = "vllm.v1.kv_offload.cpu.manager"
 _POLICY_MODULES = ("vllm.v1.kv_offload.cpu.policies.lru", "vllm.v1.kv_offload.cpu.policies.arc")
 # Packages whose real __init__ is heavy or not unpacked: they become empty package objects.
-_HOLLOW_PACKAGES = ("vllm", "vllm.v1", "vllm.v1.metrics", "vllm.utils")
+_HOLLOW_PACKAGES = (
+    "vllm",
+    "vllm.v1",
+    "vllm.v1.metrics",
+    "vllm.utils",
+    "vllm.distributed",
+    "vllm.distributed.device_communicators",
+)
+#: Imported after the manager: the spec, its factory and the config dataclasses.
+_SPEC_MODULES = (
+    "vllm.v1.kv_offload.config",
+    "vllm.v1.kv_offload.factory",
+    "vllm.v1.kv_offload.cpu.spec",
+)
 _METRICS_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics"
 
 
 def source_dir() -> Path:
-    """Where fetch_vllm.sh unpacked the vLLM sources."""
-    return Path(os.environ.get(ORACLE_ENV) or DEFAULT_ORACLE_DIR) / "src"
+    """The vLLM sources: $KVOFFLOAD_VLLM_ORACLE/src, else .oracle/src, else the user cache."""
+    env = os.environ.get(ORACLE_ENV)
+    if env:
+        return Path(env) / "src"
+    local = DEFAULT_ORACLE_DIR / "src"
+    if (local / "VLLM_VERSION").is_file():
+        return local
+    return user_cache_dir() / "src"
 
 
 def unavailable_reason() -> str | None:
     """Why the oracle cannot be loaded, or None when it can."""
     src = source_dir()
     stamp = src / "VLLM_VERSION"
-    if not (src / "vllm/v1/kv_offload/cpu/manager.py").is_file() or not stamp.is_file():
+    needed = ("vllm/v1/kv_offload/cpu/manager.py", _METRICS_MODULE.replace(".", "/") + ".py")
+    if not all((src / path).is_file() for path in needed) or not stamp.is_file():
         return (
-            f"vLLM {VLLM_VERSION} oracle not unpacked in {src}: run tools/fetch_vllm.sh "
-            "(or tools/fetch_vllm.sh --wheel PATH to reuse a downloaded wheel)"
+            f"vLLM {VLLM_VERSION} oracle not unpacked in {src}: run tools/fetch_vllm.py "
+            "(its kv_offload files only, ~1.4 MB of range requests), or tools/fetch_vllm.sh "
+            "[--wheel PATH] (the whole wheel)"
         )
     found = stamp.read_text().strip()
     if found != VLLM_VERSION:
@@ -57,33 +92,6 @@ def unavailable_reason() -> str | None:
     if loaded is not None and not getattr(loaded, "__kvoffload_oracle__", False):
         return "a real 'vllm' package is already imported in this process"
     return None
-
-
-class _StatsStandIn:
-    """Stand-in for vLLM's OffloadingConnectorStats: the same self-describing ``data`` layout."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, Any] = {"types": {}, "data": {}, "info": None}
-
-    def _series(self, name: str, kind: str) -> dict[tuple[str, ...], Any]:
-        self.data["types"].setdefault(name, kind)
-        series: dict[tuple[str, ...], Any] = self.data["data"].setdefault(name, {})
-        return series
-
-    def set_gauge(self, name: str, value: float, labelvalues: tuple[str, ...] = ()) -> None:
-        """Replace a gauge's value."""
-        self._series(name, "gauge")[labelvalues] = value
-
-    def increase_counter(
-        self, name: str, value: float = 1, labelvalues: tuple[str, ...] = ()
-    ) -> None:
-        """Add to a counter."""
-        series = self._series(name, "counter")
-        series[labelvalues] = series.get(labelvalues, 0) + value
-
-    def observe_histogram(self, name: str, value: float, labelvalues: tuple[str, ...] = ()) -> None:
-        """Append a histogram sample."""
-        self._series(name, "histogram").setdefault(labelvalues, []).append(value)
 
 
 class _QuietLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -117,12 +125,18 @@ def _stand_ins(src: Path) -> dict[str, types.ModuleType]:
     mods: dict[str, types.ModuleType] = {}
     for name in _HOLLOW_PACKAGES:
         mods[name] = _module(name, src.joinpath(*name.split(".")))
-    # The connector metrics module and its packages exist only as stand-ins.
+    # The packages above the connector's metrics module are empty; the module itself (with
+    # vLLM's OffloadingConnectorStats) and the connector's base metrics module are vLLM's own.
+    # What those reach beyond: vLLM's config classes, the connector factory and Prometheus.
     parts = _METRICS_MODULE.split(".")
     for i in range(2, len(parts)):
         name = ".".join(parts[:i])
         mods[name] = _module(name, src.joinpath(*parts[:i]))
-    mods[_METRICS_MODULE] = _module(_METRICS_MODULE, OffloadingConnectorStats=_StatsStandIn)
+    mods["vllm.config"] = _opaque_module("vllm.config")
+    factory = "vllm.distributed.kv_transfer.kv_connector.factory"
+    mods[factory] = _opaque_module(factory)
+    if importlib.util.find_spec("prometheus_client") is None:
+        mods["prometheus_client"] = _opaque_module("prometheus_client")
     mods["vllm.logger"] = _module(
         "vllm.logger",
         init_logger=lambda name: _QuietLogger(logging.getLogger(name), {}),
@@ -140,9 +154,75 @@ def _stand_ins(src: Path) -> dict[str, types.ModuleType]:
     return mods
 
 
+class _OpaqueMeta(type):
+    """Placeholder classes whose attributes are placeholder classes (``torch.cuda.Stream``)."""
+
+    def __getattr__(cls, name: str) -> type:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _opaque_class(f"{cls.__name__}.{name}")
+
+
+def _opaque_class(name: str) -> type:
+    return _OpaqueMeta(name, (), {"__init__": lambda self, *args, **kwargs: None})
+
+
+def _opaque_module(name: str) -> types.ModuleType:
+    """A module whose every attribute is a placeholder class (annotations, decorators, names)."""
+    module = _module(name)
+    made: dict[str, type] = {}
+
+    def attr(attr_name: str) -> type:
+        if attr_name.startswith("__"):
+            raise AttributeError(attr_name)
+        if attr_name not in made:
+            made[attr_name] = _opaque_class(attr_name)
+        return made[attr_name]
+
+    module.__getattr__ = attr  # type: ignore[method-assign]
+    return module
+
+
+class _NoGpuPlatform:
+    """Stand-in for vLLM's ``current_platform`` on a machine without an accelerator."""
+
+    def is_cuda_alike(self) -> bool:
+        """No CUDA or ROCm device."""
+        return False
+
+    def is_rocm(self) -> bool:
+        """Not ROCm."""
+        return False
+
+    def is_xpu(self) -> bool:
+        """Not XPU."""
+        return False
+
+
+def _gpu_side_stand_ins() -> dict[str, types.ModuleType]:
+    """The GPU-side modules cpu/spec.py's worker imports reach (none of them runs here)."""
+    return {
+        "vllm.platforms": _module("vllm.platforms", current_platform=_NoGpuPlatform()),
+        "vllm._custom_ops": _opaque_module("vllm._custom_ops"),
+        "vllm.triton_utils": _module(
+            "vllm.triton_utils",
+            HAS_TRITON=False,
+            triton=_opaque_module("triton"),
+            tl=_opaque_module("triton.language"),
+        ),
+        "vllm.utils.torch_utils": _module("vllm.utils.torch_utils", PIN_MEMORY=False),
+        "vllm.distributed.device_communicators.shm_broadcast": _opaque_module(
+            "vllm.distributed.device_communicators.shm_broadcast"
+        ),
+        "vllm.distributed.device_communicators.cuda_wrapper": _opaque_module(
+            "vllm.distributed.device_communicators.cuda_wrapper"
+        ),
+    }
+
+
 def _torch_stand_in() -> types.ModuleType:
-    # base.py names torch.Tensor in a dataclass field annotation, evaluated at import time.
-    return _module("torch", Tensor=type("Tensor", (), {}), dtype=type("dtype", (), {}))
+    # base.py and the worker modules name torch types in annotations evaluated at import time.
+    return _opaque_module("torch")
 
 
 @dataclass(frozen=True)
@@ -153,6 +233,10 @@ class Oracle:
     ReqContext: type
     base: types.ModuleType
     manager_module: types.ModuleType
+    #: ``vllm.v1.kv_offload.config``, ``.factory`` and ``.cpu.spec``.
+    config: types.ModuleType
+    factory: types.ModuleType
+    cpu_spec: types.ModuleType
 
 
 _loaded: Oracle | None = None
@@ -167,7 +251,7 @@ def load() -> Oracle:
     if reason is not None:
         raise RuntimeError(reason)
     src = source_dir()
-    for name, module in _stand_ins(src).items():
+    for name, module in {**_stand_ins(src), **_gpu_side_stand_ins()}.items():
         sys.modules.setdefault(name, module)
         parent, _, leaf = name.rpartition(".")
         if parent:
@@ -181,6 +265,7 @@ def load() -> Oracle:
         for name in _POLICY_MODULES:  # the policy factory imports these lazily
             importlib.import_module(name)
         base = importlib.import_module("vllm.v1.kv_offload.base")
+        config, factory, cpu_spec = (importlib.import_module(name) for name in _SPEC_MODULES)
     finally:
         if previous_torch is None:
             del sys.modules["torch"]
@@ -189,8 +274,47 @@ def load() -> Oracle:
         ReqContext=base.ReqContext,
         base=base,
         manager_module=manager_module,
+        config=config,
+        factory=factory,
+        cpu_spec=cpu_spec,
     )
     return _loaded
+
+
+def offloading_config(
+    oracle: Oracle,
+    num_chunks: int,
+    extra_config: dict[str, Any],
+    enable_kv_cache_events: bool = True,
+) -> Any:
+    """A one-worker, one-group ``OffloadingConfig`` whose CPU spec sizes exactly ``num_chunks``.
+
+    Each chunk takes one page (vLLM aligns chunks to the page size), and ``cpu_bytes_to_use`` is
+    set to ``num_chunks`` pages plus a remainder smaller than one (so it is never 0).
+    """
+    c = oracle.config
+    page = oracle.cpu_spec.CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
+    return c.OffloadingConfig(
+        groups=(c.OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        worker_kv_bytes_per_block=page,
+        enable_kv_cache_events=enable_kv_cache_events,
+        extra_config={"cpu_bytes_to_use": num_chunks * page + page - 1, **extra_config},
+        engine_id="engine-0",
+        model=c.OffloadingModelConfig(name="model", dtype="float16", max_model_len=4096),
+        cache=c.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=c.OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
 
 
 def state_of(manager: Any) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvoffload.errors import InvalidArgumentError, UnsupportedPolicyError
@@ -98,9 +98,15 @@ def build_stats(
     num_pending: int,
     allocation_sizes: list[int],
     stores_skipped: int | None,
+    stats_cls: Callable[[], OffloadingStats] = OffloadingStats,
 ) -> OffloadingStats:
-    """Assemble the stats payload in vLLM's metric order from the manager's raw counters."""
-    stats = OffloadingStats()
+    """Assemble the stats payload in vLLM's metric order from the manager's raw counters.
+
+    ``stats_cls`` builds the payload: kvoffload's ``OffloadingStats``, or vLLM's
+    ``OffloadingConnectorStats`` (the same ``set_gauge``/``observe_histogram``/
+    ``increase_counter`` calls).
+    """
+    stats = stats_cls()
     usage = num_used / num_chunks if num_chunks > 0 else 0.0
     stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
     for size in allocation_sizes:

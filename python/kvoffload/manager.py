@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
-from kvoffload import _native
+from kvoffload import _native, types
 from kvoffload._common import (
     build_stats,
     check_constructor_args,
     config_info_of,
-    removed_event,
     resolve_policy,
-    stored_event,
 )
 from kvoffload.errors import InvalidKeyError, UnsupportedPolicyError
 from kvoffload.types import (
@@ -40,6 +38,12 @@ class CPUOffloadingManager:
     events and stats. Illegal calls raise a :class:`kvoffload.KVOffloadError` and change nothing.
     """
 
+    #: Where the result classes come from (``LookupResult``, ``PrepareStoreOutput``,
+    #: ``CPULoadStoreSpec``, ``OffloadingEvent``, ``Medium``, ``OffloadingStats``,
+    #: ``RequestOffloadingContext``, ``CacheHitSource``): kvoffload's own types here; the vLLM
+    #: integration puts vLLM's classes under the same names.
+    _types: ClassVar[Any] = types
+
     def __init__(
         self,
         num_chunks: int,
@@ -57,9 +61,14 @@ class CPUOffloadingManager:
                 f"the Rust manager runs the built-in policies only (lru, arc); for the "
                 f"out-of-tree policy {cache_policy!r} use kvoffload.reference.CPUOffloadingManager"
             )
-        self.medium: Medium = Medium.CPU
+        self.medium: Medium = self._types.Medium.CPU
         self._core = _native.ManagerCore(
-            num_chunks, policy, bool(enable_events), store_threshold, max_tracker_size
+            num_chunks,
+            policy,
+            bool(enable_events),
+            store_threshold,
+            max_tracker_size,
+            None if self._types is types else self._types,
         )
         self._num_chunks = num_chunks
         self._config_info = config_info_of(info)
@@ -89,7 +98,8 @@ class CPUOffloadingManager:
         """Where a hit comes from: always host memory."""
         if not isinstance(key, bytes):
             raise InvalidKeyError(f"a key must be bytes, got {type(key).__name__}")
-        return CacheHitSource.HOST
+        host: CacheHitSource = self._types.CacheHitSource.HOST
+        return host
 
     # --- loads ---
 
@@ -120,7 +130,8 @@ class CPUOffloadingManager:
     def on_new_request(self, req_context: Any) -> RequestOffloadingContext:
         """Give the request current state; it is offloaded chunk by chunk."""
         self._core.on_new_request(req_context)
-        return RequestOffloadingContext()
+        context: RequestOffloadingContext = self._types.RequestOffloadingContext()
+        return context
 
     def on_request_finished(self, req_context: Any) -> None:
         """Hand the request's accesses, head to tail, to the policy (once per request)."""
@@ -136,22 +147,25 @@ class CPUOffloadingManager:
         """Yield the queued events; the batch is detached at the first step."""
         if not self._core.events_enabled:
             return
+        event_cls = self._types.OffloadingEvent
         for keys, removed, metadata_only in self._core.take_events():
             if metadata_only:
                 # Keys stored again since the failed store are no longer removed.
                 keys = self._core.absent_keys(keys)
                 if not keys:
                     continue
-                yield removed_event(keys, metadata_only=True)
-            elif removed:
-                yield removed_event(keys, metadata_only=False)
-            else:
-                yield stored_event(keys)
+            event: OffloadingEvent = event_cls(
+                keys=keys,
+                medium=self.medium,
+                removed=removed or metadata_only,
+                metadata_only=metadata_only,
+            )
+            yield event
 
     def get_stats(self) -> OffloadingStats:
         """Usage gauges, allocation-size samples and skipped stores since the last call."""
         num_chunks, used, pending, sizes, skipped = self._core.take_stats()
-        return build_stats(num_chunks, used, pending, sizes, skipped)
+        return build_stats(num_chunks, used, pending, sizes, skipped, self._types.OffloadingStats)
 
     def config_info(self) -> Sequence[dict[str, Any]]:
         """One mapping of the ``info`` fields given at construction (``[{}]`` without one)."""

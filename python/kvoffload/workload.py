@@ -167,12 +167,15 @@ class Workload:
         """Distinct keys over all requests: the working set."""
         return len({k for r in self.requests for k in r.keys})
 
-    def make_contexts(self) -> list[ReqContext]:
-        """Fresh request contexts, one per request, with every key's end-token position set."""
+    def make_contexts(self, context_cls: Callable[[str], Any] = ReqContext) -> list[Any]:
+        """Fresh request contexts, one per request, with every key's end-token position set.
+
+        ``context_cls`` builds them from the request id: kvoffload's ``ReqContext``, or vLLM's.
+        """
         groups = self.config.kv_groups
         contexts = []
         for spec in self.requests:
-            ctx = ReqContext(spec.req_id)
+            ctx = context_cls(spec.req_id)
             for i, key in enumerate(spec.keys):
                 ctx.set_offload_key_position(key, (i // groups + 1) * BLOCK_TOKENS)
             contexts.append(ctx)
@@ -321,6 +324,8 @@ class ReplayResult:
     digest: str = ""
     #: The running digest after each step, to find the first step where two replays differ.
     step_digests: list[bytes] = field(default_factory=list, repr=False)
+    #: Manager nanoseconds in each step (all timed calls of the step; timer cost included).
+    step_ns: list[int] = field(default_factory=list, repr=False)
 
     @property
     def hit_rate(self) -> float:
@@ -423,16 +428,20 @@ def replay(
     *,
     drain_events: bool = False,
     progress: Callable[[int], object] | None = None,
+    lookup_result: Any = LookupResult,
+    context_cls: Callable[[str], Any] = ReqContext,
 ) -> ReplayResult:
     """Drive ``manager`` through ``workload``, timing each call; see the module docstring.
 
     ``drain_events`` calls ``take_events`` once per step (for managers built with events on).
-    ``progress`` is called with the number of requests finished in each step.
+    ``progress`` is called with the number of requests finished in each step. ``lookup_result``
+    is the enum the manager answers lookups with and ``context_cls`` builds the request contexts
+    (kvoffload's by default; vLLM's to drive a manager inside vLLM's types).
     """
     cfg = workload.config
     specs = workload.requests
     groups = cfg.kv_groups
-    contexts = workload.make_contexts()
+    contexts = workload.make_contexts(context_cls)
     kinds = {kind: KindStats() for kind in CALL_KINDS}
     s_lookup, s_pload, s_cload = kinds["lookup"], kinds["prepare_load"], kinds["complete_load"]
     s_pstore, s_cstore, s_touch = kinds["prepare_store"], kinds["complete_store"], kinds["touch"]
@@ -441,20 +450,22 @@ def replay(
     digest = hashlib.blake2b(digest_size=16)
 
     clock = time.perf_counter_ns
-    lookup, lookup_prefix = manager.lookup, manager.lookup_prefix
+    # vLLM's own manager has no lookup_prefix; "single" lookup mode never calls it.
+    lookup, lookup_prefix = manager.lookup, getattr(manager, "lookup_prefix", None)
     prepare_load, complete_load = manager.prepare_load, manager.complete_load
     prepare_store, complete_store = manager.prepare_store, manager.complete_store
     touch, take_events = manager.touch, manager.take_events
     on_new_request, on_request_finished = manager.on_new_request, manager.on_request_finished
-    hit, hit_pending = LookupResult.HIT, LookupResult.HIT_PENDING
+    hit, hit_pending = lookup_result.HIT, lookup_result.HIT_PENDING
+    all_kinds = tuple(kinds.values())
     single = cfg.lookup_mode == "single"
 
     queue = deque(range(len(specs)))
     finished = [False] * len(specs)
     waiting: list[_Running] = []
     running: list[_Running] = []
-    loads_due: list[tuple[ReqContext, tuple[bytes, ...]]] = []
-    stores_due: list[tuple[ReqContext, list[bytes], bool]] = []
+    loads_due: list[tuple[Any, tuple[bytes, ...]]] = []
+    stores_due: list[tuple[Any, list[bytes], bool]] = []
 
     def admit(run: _Running, step: int) -> None:
         """Look up the prompt; load and touch its hit prefix, or wait on a pending key."""
@@ -474,6 +485,7 @@ def replay(
             s_lookup.calls += looked
             s_lookup.keys += looked
         else:
+            assert lookup_prefix is not None, "lookup_mode='prefix' needs a lookup_prefix method"
             t0 = clock()
             n_hit = lookup_prefix(keys, ctx)
             answer = hit
@@ -519,6 +531,7 @@ def replay(
     step = 0
     try:
         while queue or waiting or running or loads_due or stores_due:
+            step_start_ns = sum(k.ns for k in all_kinds)
             # 1. Completions of the transfers issued in the previous step, in issue order.
             for ctx, keys in loads_due:
                 t0 = clock()
@@ -620,6 +633,7 @@ def replay(
                     digest.update(b"E%d%d%d;" % (ev.removed, ev.metadata_only, len(ev.keys)))
                     digest.update(b"".join(ev.keys))
             result.step_digests.append(digest.digest())
+            result.step_ns.append(sum(k.ns for k in all_kinds) - step_start_ns)
             step += 1
             if progress is not None and done:
                 progress(done)

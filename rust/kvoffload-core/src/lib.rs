@@ -17,8 +17,8 @@
 
 pub mod admission;
 pub mod error;
-pub mod index;
 pub mod host;
+pub mod index;
 pub mod key;
 pub mod manager;
 pub mod policy;

@@ -61,6 +61,26 @@ impl PolicyKind {
         Self::ALL.iter().find(|(n, _)| *n == name).map(|&(_, k)| k)
     }
 
+    /// An empty policy of this kind for `capacity` chunk slots.
+    #[must_use]
+    pub fn build(self, capacity: u32) -> Box<dyn CachePolicy> {
+        match self {
+            PolicyKind::Lru => Box::new(LruPolicy::new(capacity)),
+            PolicyKind::Arc => Box::new(ArcPolicy::new(capacity)),
+            PolicyKind::Fifo => Box::new(FifoPolicy::new()),
+            PolicyKind::Sieve => Box::new(SievePolicy::new()),
+            PolicyKind::S3Fifo => Box::new(S3FifoPolicy::new(capacity)),
+            PolicyKind::TwoQ => Box::new(TwoQPolicy::new(capacity)),
+            PolicyKind::Slru => Box::new(SlruPolicy::new(capacity)),
+        }
+    }
+
+    /// Whether the policy reads token positions during calls (LRU does; others never).
+    #[must_use]
+    pub fn reads_positions(self) -> bool {
+        self == PolicyKind::Lru
+    }
+
     /// Its name.
     #[must_use]
     pub fn name(self) -> &'static str {
@@ -173,15 +193,7 @@ impl Manager {
             ));
         }
         let n = config.num_chunks;
-        let policy: Box<dyn CachePolicy> = match config.policy {
-            PolicyKind::Lru => Box::new(LruPolicy::new(n)),
-            PolicyKind::Arc => Box::new(ArcPolicy::new(n)),
-            PolicyKind::Fifo => Box::new(FifoPolicy::new()),
-            PolicyKind::Sieve => Box::new(SievePolicy::new()),
-            PolicyKind::S3Fifo => Box::new(S3FifoPolicy::new(n)),
-            PolicyKind::TwoQ => Box::new(TwoQPolicy::new(n)),
-            PolicyKind::Slru => Box::new(SlruPolicy::new(n)),
-        };
+        let policy = config.policy.build(n);
         Ok(Self {
             id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
             generation: 0,

@@ -145,17 +145,15 @@ pub(crate) struct ResultTypes {
     pub(crate) lookup: [Py<PyAny>; 3],
 }
 
-static RESULT_TYPES: PyOnceLock<ResultTypes> = PyOnceLock::new();
-
-/// The cached [`ResultTypes`].
-pub(crate) fn result_types(py: Python<'_>) -> PyResult<&ResultTypes> {
-    RESULT_TYPES.get_or_try_init(py, || {
-        let m = py.import("kvoffload.types")?;
+impl ResultTypes {
+    /// The types of `namespace` (a module or any object with `PrepareStoreOutput`,
+    /// `CPULoadStoreSpec` and `LookupResult` attributes: kvoffload's types, or vLLM's).
+    pub(crate) fn from_namespace(namespace: &Bound<'_, PyAny>) -> PyResult<Self> {
         let ty = |name: &str| -> PyResult<Py<PyType>> {
-            Ok(m.getattr(name)?.cast_into::<PyType>()?.unbind())
+            Ok(namespace.getattr(name)?.cast_into::<PyType>()?.unbind())
         };
-        let lr = m.getattr("LookupResult")?;
-        Ok(ResultTypes {
+        let lr = namespace.getattr("LookupResult")?;
+        Ok(Self {
             prepare_store_output: ty("PrepareStoreOutput")?,
             cpu_spec: ty("CPULoadStoreSpec")?,
             lookup: [
@@ -164,7 +162,47 @@ pub(crate) fn result_types(py: Python<'_>) -> PyResult<&ResultTypes> {
                 lr.getattr("HIT_PENDING")?.unbind(),
             ],
         })
+    }
+}
+
+static RESULT_TYPES: PyOnceLock<ResultTypes> = PyOnceLock::new();
+
+/// The cached [`ResultTypes`] of `kvoffload.types`.
+pub(crate) fn result_types(py: Python<'_>) -> PyResult<&ResultTypes> {
+    RESULT_TYPES.get_or_try_init(py, || {
+        ResultTypes::from_namespace(py.import("kvoffload.types")?.as_any())
     })
+}
+
+/// A second context class read through its dicts, like kvoffload's `ReqContext` (set once).
+static EXTRA_CONTEXT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// Read instances of `cls` (exactly that class, not subclasses) through their `_state` and
+/// `_offload_key_positions` dicts instead of calling their methods. For a class whose methods
+/// only read and write those two dicts, as kvoffload's `ReqContext` does (vLLM's does the same).
+/// One class can be registered per process; registering it again is a no-op.
+#[pyfunction]
+pub(crate) fn register_context_type(py: Python<'_>, cls: &Bound<'_, PyType>) -> PyResult<()> {
+    let set = EXTRA_CONTEXT.get_or_init(py, || cls.clone().unbind());
+    if set.bind(py).is(cls) {
+        Ok(())
+    } else {
+        Err(raise(
+            py,
+            "InvalidArgumentError",
+            format!("a context class is already registered: {}", set.bind(py)),
+        ))
+    }
+}
+
+/// Whether `obj`'s class is one whose instances are read through their dicts.
+fn has_fast_dicts(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = obj.py();
+    let ty = obj.get_type();
+    if ty.is(req_context_type(py)?) {
+        return Ok(true);
+    }
+    Ok(EXTRA_CONTEXT.get(py).is_some_and(|t| ty.is(t.bind(py))))
 }
 
 /// A bare instance of `cls` (``cls.__new__(cls)``, no `__init__`) with `attrs` set: builds the
@@ -192,7 +230,7 @@ impl<'py> Context<'py> {
     pub(crate) fn new(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
         let py = obj.py();
         let mut dicts = None;
-        if obj.get_type().is(req_context_type(py)?) {
+        if has_fast_dicts(obj)? {
             let state = obj.getattr("_state")?.cast_into::<PyDict>().ok();
             let pos = obj
                 .getattr("_offload_key_positions")?

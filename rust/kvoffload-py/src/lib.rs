@@ -4,6 +4,7 @@ mod errors;
 mod host;
 mod keys;
 mod manager;
+mod policy;
 mod request;
 
 use pyo3::prelude::*;
@@ -15,6 +16,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<request::RequestState>()?;
     m.add_class::<host::HostMemory>()?;
     m.add_class::<host::HostMemoryOwner>()?;
+    m.add_class::<policy::PolicyCore>()?;
+    m.add_class::<request::PolicyRequestRank>()?;
+    m.add_function(wrap_pyfunction!(keys::register_context_type, m)?)?;
     m.add_function(wrap_pyfunction!(errors::_raise_core_error, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

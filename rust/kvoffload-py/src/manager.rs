@@ -2,9 +2,10 @@
 //! built after the lock is released (no Python runs while a Rust lock is held).
 
 use crate::errors::{poisoned, raise, to_py};
-use crate::keys::{build, one_key, position_value, result_types, Context, Keys};
+use crate::keys::{build, one_key, position_value, result_types, Context, Keys, ResultTypes};
+use crate::policy::state::{state_dict, state_keys};
 use crate::request::RequestState;
-use kvoffload_core::{self as core, Lookup, Manager, ManagerConfig, PolicyKind, PolicyState};
+use kvoffload_core::{self as core, Lookup, Manager, ManagerConfig, PolicyKind};
 use numpy::PyArray1;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -67,9 +68,19 @@ pub(crate) struct ManagerCore {
     policy: &'static str,
     /// Whether the policy reads token positions during calls (LRU does; ARC only at finish).
     reads_positions: bool,
+    /// The classes results are built from when not `kvoffload.types`' (vLLM's, say).
+    types: Option<ResultTypes>,
 }
 
 impl ManagerCore {
+    /// The classes this manager builds its results from.
+    fn types<'a>(&'a self, py: Python<'a>) -> PyResult<&'a ResultTypes> {
+        match &self.types {
+            Some(t) => Ok(t),
+            None => result_types(py),
+        }
+    }
+
     /// The manager, locked. A poisoned lock's guard is dropped before the Python error is made.
     fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, Core>> {
         self.inner
@@ -198,56 +209,25 @@ fn lookup_index(l: Lookup) -> usize {
 }
 
 /// A `CPULoadStoreSpec` over the chunk ids (numpy int32, owned by numpy).
-fn spec<'py>(py: Python<'py>, chunks: &[core::ChunkId]) -> PyResult<Bound<'py, PyAny>> {
+fn spec<'py>(
+    py: Python<'py>,
+    types: &ResultTypes,
+    chunks: &[core::ChunkId],
+) -> PyResult<Bound<'py, PyAny>> {
     let ids: Vec<i32> = chunks.iter().map(|&c| c as i32).collect();
     let array = PyArray1::from_slice(py, &ids);
-    let types = result_types(py)?;
     build(
         types.cpu_spec.bind(py),
         &[(intern!(py, "block_ids"), array.into_any())],
     )
 }
 
-/// Fill `d` with a queue-based policy's state: per queue `[(key, frequency)]` oldest first
-/// under its name, `parked` as `[(key, queue, frequency)]` in key order, and the ghost keys.
-/// `keys` holds the keys of every linked queue, then of every parked list.
-fn queues_state(
-    d: &Bound<'_, PyDict>,
-    policy: &str,
-    names: &[&str],
-    linked: &[Vec<(core::ChunkId, u8)>],
-    parked: &[Vec<(core::ChunkId, u8)>],
-    keys: &[Vec<Vec<u8>>],
-    ghosts: &[core::KeyBuf],
-) -> PyResult<()> {
-    let py = d.py();
-    d.set_item("policy", policy)?;
-    for (q, name) in names.iter().enumerate() {
-        let entries = linked[q]
-            .iter()
-            .zip(&keys[q])
-            .map(|((_, freq), k)| (PyBytes::new(py, k), *freq));
-        d.set_item(*name, PyList::new(py, entries)?)?;
-    }
-    let all_parked = PyList::empty(py);
-    for (q, name) in names.iter().enumerate() {
-        for ((_, freq), k) in parked[q].iter().zip(&keys[names.len() + q]) {
-            all_parked.append((PyBytes::new(py, k), *name, *freq))?;
-        }
-    }
-    all_parked.sort()?;
-    d.set_item("parked", all_parked)?;
-    d.set_item(
-        "ghosts",
-        PyList::new(py, ghosts.iter().map(|k| PyBytes::new(py, k)))?,
-    )?;
-    Ok(())
-}
-
 #[pymethods]
 impl ManagerCore {
     #[new]
-    #[pyo3(signature = (num_chunks, policy, enable_events, store_threshold, max_tracker_size))]
+    #[pyo3(signature = (
+        num_chunks, policy, enable_events, store_threshold, max_tracker_size, result_types=None
+    ))]
     fn new(
         py: Python<'_>,
         num_chunks: i64,
@@ -255,7 +235,9 @@ impl ManagerCore {
         enable_events: bool,
         store_threshold: i64,
         max_tracker_size: i64,
+        result_types: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let types = result_types.map(ResultTypes::from_namespace).transpose()?;
         let bad = |msg: String| raise(py, "InvalidArgumentError", msg);
         let num_chunks = u32::try_from(num_chunks)
             .ok()
@@ -304,6 +286,7 @@ impl ManagerCore {
             }),
             policy: policy.name(),
             reads_positions: policy == PolicyKind::Lru,
+            types,
         })
     }
 
@@ -318,9 +301,7 @@ impl ManagerCore {
         let _ = req_context;
         let key = one_key(key)?;
         let found = self.lock(py)?.lookup(key);
-        Ok(result_types(py)?.lookup[lookup_index(found)]
-            .bind(py)
-            .clone())
+        Ok(self.types(py)?.lookup[lookup_index(found)].bind(py).clone())
     }
 
     /// Number of leading keys that are HIT.
@@ -351,7 +332,7 @@ impl ManagerCore {
         if fresh {
             ctx.set_state(state.as_any())?;
         }
-        spec(py, &chunks)
+        spec(py, self.types(py)?, &chunks)
     }
 
     /// Release one pin per key.
@@ -413,12 +394,12 @@ impl ManagerCore {
                 }),
         )?;
         drop(evicted_objs);
-        let types = result_types(py)?;
+        let types = self.types(py)?;
         let output = build(
             types.prepare_store_output.bind(py),
             &[
                 (intern!(py, "keys_to_store"), to_store.into_any()),
-                (intern!(py, "store_spec"), spec(py, &out.chunks)?),
+                (intern!(py, "store_spec"), spec(py, types, &out.chunks)?),
                 (intern!(py, "evicted_keys"), evicted.into_any()),
             ],
         )?;
@@ -564,76 +545,12 @@ impl ManagerCore {
         let (state, keys) = {
             let m = self.lock(py)?;
             let state = m.policy_state();
-            let key = |c: &core::ChunkId| m.key_of(*c).map(<[u8]>::to_vec).unwrap_or_default();
-            let keys: Vec<Vec<Vec<u8>>> = match &state {
-                PolicyState::Lru { ranks, .. } => vec![ranks.iter().map(|(c, _)| key(c)).collect()],
-                PolicyState::Arc { t1, t2, .. } => {
-                    vec![t1.iter().map(key).collect(), t2.iter().map(key).collect()]
-                }
-                PolicyState::Queue {
-                    queue,
-                    parked,
-                    hand,
-                } => vec![
-                    queue.iter().map(|(c, _)| key(c)).collect(),
-                    parked.iter().map(|(c, _)| key(c)).collect(),
-                    hand.iter().map(key).collect(),
-                ],
-                PolicyState::Queues { linked, parked, .. } => linked
-                    .iter()
-                    .chain(parked)
-                    .map(|q| q.iter().map(|(c, _)| key(c)).collect())
-                    .collect(),
-            };
+            let keys = state_keys(&state, |c| {
+                m.key_of(c).map(<[u8]>::to_vec).unwrap_or_default()
+            });
             (state, keys)
         };
-        let d = PyDict::new(py);
-        let bytes_list = |ks: &[Vec<u8>]| PyList::new(py, ks.iter().map(|k| PyBytes::new(py, k)));
-        match state {
-            PolicyState::Lru { ranks, next_rank } => {
-                let r = PyDict::new(py);
-                for ((_, rank), k) in ranks.iter().zip(&keys[0]) {
-                    r.set_item(PyBytes::new(py, k), *rank)?;
-                }
-                d.set_item("policy", "lru")?;
-                d.set_item("ranks", r)?;
-                d.set_item("next_rank", next_rank)?;
-            }
-            PolicyState::Arc { b1, b2, target, .. } => {
-                let ghosts =
-                    |g: &[core::KeyBuf]| PyList::new(py, g.iter().map(|k| PyBytes::new(py, k)));
-                d.set_item("policy", "arc")?;
-                d.set_item("t1", bytes_list(&keys[0])?)?;
-                d.set_item("t2", bytes_list(&keys[1])?)?;
-                d.set_item("b1", ghosts(&b1)?)?;
-                d.set_item("b2", ghosts(&b2)?)?;
-                d.set_item("target_t1_size", target)?;
-            }
-            PolicyState::Queue { queue, parked, .. } => {
-                let entries = |cs: &[(core::ChunkId, bool)], ks: &[Vec<u8>]| {
-                    PyList::new(
-                        py,
-                        cs.iter()
-                            .zip(ks)
-                            .map(|((_, visited), k)| (PyBytes::new(py, k), *visited)),
-                    )
-                };
-                d.set_item("policy", self.policy)?;
-                d.set_item("queue", entries(&queue, &keys[0])?)?;
-                // Parked entries in key order, so that any implementation lists them alike.
-                let parked = entries(&parked, &keys[1])?;
-                parked.sort()?;
-                d.set_item("parked", parked)?;
-                d.set_item("hand", keys[2].first().map(|k| PyBytes::new(py, k)))?;
-            }
-            PolicyState::Queues {
-                names,
-                linked,
-                parked,
-                ghosts,
-            } => queues_state(&d, self.policy, names, &linked, &parked, &keys, &ghosts)?,
-        }
-        Ok(d)
+        state_dict(py, self.policy, state, &keys)
     }
 
     /// `[(key, count)]` oldest first, or `None` without a tracker.

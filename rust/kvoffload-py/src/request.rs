@@ -1,5 +1,6 @@
-//! `RequestState`: the core's per-request state, stored on the request context under this
-//! class (``ctx.set_state(state)``), so it lives and dies with the request.
+//! Per-request state stored on the request context under its class (``ctx.set_state(state)``),
+//! so it lives and dies with the request: `RequestState` (a `ManagerCore`'s) and
+//! `PolicyRequestRank` (a `PolicyCore`'s LRU rank).
 
 use kvoffload_core as core;
 use pyo3::prelude::*;
@@ -29,4 +30,13 @@ impl RequestState {
             Err(_) => "<RequestState (poisoned)>".into(),
         }
     }
+}
+
+/// The rank a `PolicyCore` gave one request; read back only by the same policy in the same cache
+/// generation (vLLM's LRU tags its request rank the same way).
+#[pyclass(frozen, module = "kvoffload._native")]
+pub(crate) struct PolicyRequestRank {
+    pub(crate) owner: u64,
+    pub(crate) generation: u64,
+    pub(crate) rank: u64,
 }

@@ -1,0 +1,287 @@
+"""kvoffload inside vLLM 0.33.0, selected by configuration (see docs/vllm.md).
+
+Two ways in, both through vLLM's own extension points:
+
+- ``KVOffloadCPUOffloadingSpec``: a subclass of vLLM's ``CPUOffloadingSpec`` whose
+  scheduler-side manager is kvoffload's Rust manager (``KVOffloadCPUOffloadingManager``), which
+  returns vLLM's own classes (``LookupResult``, ``PrepareStoreOutput``, ``CPULoadStoreSpec``,
+  ``OffloadingEvent``, ``OffloadingConnectorStats``, ...). Select it with
+  ``kv_connector_extra_config = {"spec_name": "KVOffloadCPUOffloadingSpec",
+  "spec_module_path": "kvoffload.integrations.vllm", "cpu_bytes_to_use": ...}``; every other key
+  of vLLM's CPU spec keeps its meaning. The worker side is vLLM's, unchanged.
+- ``RustLRU`` and ``RustARC``: vLLM ``CachePolicy`` subclasses backed by kvoffload-core's LRU
+  and ARC, for vLLM's own Python manager: ``"eviction_policy": "RustLRU",
+  "cache_policy_module_path": "kvoffload.integrations.vllm"``.
+
+This module imports without vLLM. The classes above are built from vLLM's base classes the first
+time they are looked up (module ``__getattr__``), which is when vLLM's factories import them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from kvoffload import _native
+from kvoffload.errors import KVOffloadError
+from kvoffload.manager import CPUOffloadingManager
+
+__all__ = [
+    "KVOFFLOAD_POLICIES",
+    "SPEC_MODULE_PATH",
+    "SPEC_NAME",
+    "VLLM_VERSION",
+    # Built from vLLM's classes on first access (module __getattr__ below).
+    "KVOffloadCPUOffloadingManager",  # noqa: F822
+    "KVOffloadCPUOffloadingSpec",  # noqa: F822
+    "RustARC",  # noqa: F822
+    "RustLRU",  # noqa: F822
+    "vllm_types",
+]
+
+#: The vLLM release this adapter is written and tested against.
+VLLM_VERSION = "0.33.0"
+#: ``spec_name`` and ``spec_module_path`` of ``kv_connector_extra_config``.
+SPEC_NAME = "KVOffloadCPUOffloadingSpec"
+SPEC_MODULE_PATH = "kvoffload.integrations.vllm"
+#: ``eviction_policy`` values the Rust manager runs itself; any other policy is run by vLLM's
+#: own manager (as ``CPUOffloadingSpec`` would), for example ``RustLRU`` from this module.
+KVOFFLOAD_POLICIES = ("lru", "arc")
+
+_MANAGER_MODULE = "vllm.v1.kv_offload.cpu.manager"
+_POLICY_BASE_MODULE = "vllm.v1.kv_offload.cpu.policies.base"
+_SPEC_MODULE = "vllm.v1.kv_offload.cpu.spec"
+_BASE_MODULE = "vllm.v1.kv_offload.base"
+
+#: The ``CachePolicy`` calls vLLM's manager makes, each answered by ``PolicyCore`` directly.
+_POLICY_METHODS = (
+    "get",
+    "insert",
+    "remove",
+    "touch",
+    "on_store_miss",
+    "on_request_access",
+    "on_request_finished",
+    "evict",
+    "clear",
+    "mark_evictable",
+    "mark_non_evictable",
+)
+
+_built: dict[str, Any] = {}
+
+
+def vllm_types() -> types.SimpleNamespace:
+    """Return vLLM's result classes, under the names kvoffload's manager looks them up by.
+
+    Taken from the namespace of vLLM's ``cpu/manager.py``, so they are exactly the classes
+    vLLM's own manager returns.
+    """
+    if "types" not in _built:
+        m = importlib.import_module(_MANAGER_MODULE)
+        _register_context(m.ReqContext)
+        _built["types"] = types.SimpleNamespace(
+            LookupResult=m.LookupResult,
+            PrepareStoreOutput=m.PrepareStoreOutput,
+            CPULoadStoreSpec=m.CPULoadStoreSpec,
+            OffloadingEvent=m.OffloadingEvent,
+            Medium=m.Medium,
+            OffloadingStats=m.OffloadingConnectorStats,
+            RequestOffloadingContext=m.RequestOffloadingContext,
+            CacheHitSource=m.CacheHitSource,
+        )
+    namespace: types.SimpleNamespace = _built["types"]
+    return namespace
+
+
+def _register_context(cls: type) -> None:
+    # vLLM's ReqContext keeps its state and token positions in two plain dicts, as kvoffload's
+    # does: the bindings read them directly instead of calling the methods. Only a speed-up, so
+    # a class already registered in this process is left in place.
+    with contextlib.suppress(KVOffloadError):
+        _native.register_context_type(cls)
+
+
+def _build_manager() -> type:
+    vllm_manager_base: Any = importlib.import_module(_BASE_MODULE).OffloadingManager
+
+    class KVOffloadCPUOffloadingManager(CPUOffloadingManager, vllm_manager_base):  # type: ignore[misc]
+        """kvoffload's Rust manager as a vLLM ``OffloadingManager`` returning vLLM's classes."""
+
+        _types = vllm_types()
+
+    KVOffloadCPUOffloadingManager.__qualname__ = "KVOffloadCPUOffloadingManager"
+    KVOffloadCPUOffloadingManager.__module__ = __name__
+    return KVOffloadCPUOffloadingManager
+
+
+def _build_spec() -> type:
+    vllm_spec: Any = importlib.import_module(_SPEC_MODULE).CPUOffloadingSpec
+    vllm_manager: Any = importlib.import_module(_MANAGER_MODULE).CPUOffloadingManager
+    manager_cls = _lookup("KVOffloadCPUOffloadingManager")
+
+    class KVOffloadCPUOffloadingSpec(vllm_spec):  # type: ignore[misc]
+        """vLLM's CPU offloading spec with kvoffload's manager on the scheduler side.
+
+        Sizing (``cpu_bytes_to_use``), metrics, config info and the worker are vLLM's. The
+        manager takes the same extra-config keys as vLLM's: ``eviction_policy``,
+        ``cache_policy_module_path``, ``store_threshold``, ``max_tracker_size``. A policy other
+        than ``lru``/``arc`` runs in vLLM's own manager, as with ``CPUOffloadingSpec``.
+        """
+
+        _manager: Any  # set to None by CPUOffloadingSpec.__init__
+
+        def get_manager(self) -> Any:
+            """The scheduler-side manager, built on first use."""
+            if not self._manager:
+                extra = self.extra_config
+                kwargs: dict[str, Any] = {
+                    "num_chunks": self.num_chunks,
+                    "cache_policy": self.eviction_policy,
+                    "cache_policy_module_path": self.cache_policy_module_path,
+                    "enable_events": self.kv_events_config.enable_kv_cache_events,
+                    # The defaults of vLLM's CPUOffloadingSpec: no store filter, 64,000 entries.
+                    "store_threshold": int(extra.get("store_threshold", 0)),
+                    "max_tracker_size": int(extra.get("max_tracker_size", 64_000)),
+                    "info": self.cpu_info,
+                }
+                if self.eviction_policy in KVOFFLOAD_POLICIES:
+                    self._manager = manager_cls(**kwargs)
+                else:
+                    self._manager = vllm_manager(**kwargs)
+            return self._manager
+
+    KVOffloadCPUOffloadingSpec.__qualname__ = "KVOffloadCPUOffloadingSpec"
+    KVOffloadCPUOffloadingSpec.__module__ = __name__
+    return KVOffloadCPUOffloadingSpec
+
+
+def _build_policy(kind: str, name: str) -> type:
+    cache_policy: Any = importlib.import_module(_POLICY_BASE_MODULE).CachePolicy
+    _register_context(importlib.import_module(_BASE_MODULE).ReqContext)
+
+    class RustPolicy(cache_policy):  # type: ignore[misc]
+        # The methods below state the API and satisfy the ABC; __init__ shadows each with the
+        # native core's bound method, so a call from vLLM's manager goes straight to Rust (one
+        # crossing, no Python frame).
+
+        def __init__(self, cache_capacity: int) -> None:
+            super().__init__(cache_capacity)
+            self._core = _native.PolicyCore(kind, cache_capacity)
+            for method in _POLICY_METHODS:
+                setattr(self, method, getattr(self._core, method))
+
+        def get(self, key: bytes) -> Any:
+            """The chunk of ``key``, or None."""
+            return self._core.get(key)
+
+        def insert(self, key: bytes, chunk: Any, req_context: Any) -> None:
+            """Add a newly allocated chunk."""
+            self._core.insert(key, chunk, req_context)
+
+        def remove(self, key: bytes) -> None:
+            """Forget a pending chunk whose store failed."""
+            self._core.remove(key)
+
+        def touch(self, keys: Any, req_context: Any) -> None:
+            """Mark chunks as recently used."""
+            self._core.touch(keys, req_context)
+
+        def on_store_miss(self, keys: Any, req_context: Any) -> None:
+            """Observe keys about to be stored."""
+            self._core.on_store_miss(keys, req_context)
+
+        def on_request_access(self, keys: Any, req_context: Any) -> None:
+            """Observe keys a request sees for the first time."""
+            self._core.on_request_access(keys, req_context)
+
+        def on_request_finished(
+            self, key_groups: Any, insertion_only_keys: Any, reused_keys: Any, req_context: Any
+        ) -> None:
+            """Apply one finished request's accesses, head to tail."""
+            self._core.on_request_finished(
+                key_groups, insertion_only_keys, reused_keys, req_context
+            )
+
+        def evict(self, n: int, protected: Any) -> list[tuple[bytes, Any]] | None:
+            """Evict exactly ``n`` unprotected evictable chunks, or nothing (None)."""
+            return self._core.evict(n, protected)
+
+        def clear(self) -> None:
+            """Forget every chunk and all adaptive state."""
+            self._core.clear()
+
+        def mark_evictable(self, key: bytes) -> None:
+            """The chunk's ref count became 0."""
+            self._core.mark_evictable(key)
+
+        def mark_non_evictable(self, key: bytes) -> None:
+            """The chunk's ref count left 0."""
+            self._core.mark_non_evictable(key)
+
+        def check_invariants(self) -> None:
+            """Raise :class:`kvoffload.InvariantViolation` if the Rust structures disagree."""
+            self._core.check_invariants()
+
+        def __len__(self) -> int:
+            return len(self._core)
+
+    RustPolicy.__name__ = RustPolicy.__qualname__ = name
+    RustPolicy.__module__ = __name__
+    RustPolicy.__doc__ = (
+        f"vLLM ``CachePolicy`` backed by kvoffload-core's {kind.upper()} (same evictions, same "
+        f"order as vLLM's {kind.upper()})."
+    )
+    return RustPolicy
+
+
+def _build_rust_lru() -> type:
+    return _build_policy("lru", "RustLRU")
+
+
+def _build_rust_arc() -> type:
+    return _build_policy("arc", "RustARC")
+
+
+_BUILDERS: dict[str, Callable[[], type]] = {
+    "KVOffloadCPUOffloadingManager": _build_manager,
+    "KVOffloadCPUOffloadingSpec": _build_spec,
+    "RustLRU": _build_rust_lru,
+    "RustARC": _build_rust_arc,
+}
+
+
+def _check_version() -> None:
+    # Only the version of a vLLM already imported (vLLM's own process); importing it here would
+    # be slow, and the test oracle's stand-in package has no version.
+    version = getattr(sys.modules.get("vllm"), "__version__", None)
+    if isinstance(version, str) and version != VLLM_VERSION:
+        warnings.warn(
+            f"kvoffload.integrations.vllm is written and tested against vLLM {VLLM_VERSION}; "
+            f"this is vLLM {version}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _lookup(name: str) -> Any:
+    if name not in _built:
+        _check_version()
+        try:
+            _built[name] = _BUILDERS[name]()
+        except ImportError as e:
+            raise ImportError(
+                f"kvoffload.integrations.vllm.{name} needs vLLM {VLLM_VERSION} ({e})"
+            ) from e
+    return _built[name]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _BUILDERS:
+        return _lookup(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

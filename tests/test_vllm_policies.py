@@ -1,0 +1,274 @@
+"""kvoffload's Rust policies inside vLLM 0.33.0's own manager (``RustLRU``, ``RustARC``).
+
+Against vLLM's real ``kv_offload`` modules (see ``test_vllm_spec.py``): vLLM's manager running
+``RustLRU``/``RustARC`` gives the same results as with its own LRU/ARC over seeded random
+sequences, and random ``CachePolicy`` call sequences leave the Rust and the Python policy in the
+same order with the same evictions. The native policy core's own contract needs no vLLM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import sys
+from typing import Any
+
+import pytest
+
+import _driver
+from _vllm import (
+    POLICIES,
+    RUST_POLICY,
+    SPEC_MODULE_PATH,
+    THRESHOLDS,
+    Checked,
+    key,
+    run_seeded,
+    via_spec,
+    vllm_spec_impl,
+)
+
+# --- the Rust policies inside vLLM's manager ---
+
+
+def _rust_policy_impl(oracle: Any) -> _driver.ImplSpec:
+    def extra(policy: str) -> dict[str, Any]:
+        return {
+            "eviction_policy": RUST_POLICY[policy],
+            "cache_policy_module_path": SPEC_MODULE_PATH,
+        }
+
+    def check(m: Any) -> None:
+        m._policy.check_invariants()
+
+    make = via_spec(oracle, extra, lambda m: Checked(m, oracle.manager_module, check))
+    return _driver.ImplSpec("vllm+rust-policy", make, oracle.ReqContext, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("threshold", THRESHOLDS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_rust_policy_in_vllms_manager_matches_vllms_policy(
+    oracle: Any, policy: str, threshold: int
+) -> None:
+    run_seeded([vllm_spec_impl(oracle), _rust_policy_impl(oracle)], policy, threshold, count=15)
+
+
+def test_rust_policies_load_through_cache_policy_module_path(oracle: Any, vllm_mod: Any) -> None:
+    factory = oracle.manager_module.CachePolicyFactory
+    base = sys.modules["vllm.v1.kv_offload.cpu.policies.base"].CachePolicy
+    for name in ("RustLRU", "RustARC"):
+        cls = factory.get_cache_policy_cls(name, SPEC_MODULE_PATH)
+        assert cls is getattr(vllm_mod, name)
+        assert issubclass(cls, base)
+        policy = cls(cache_capacity=4)
+        # vLLM's manager calls reach Rust directly: bound native methods, no Python frame.
+        assert type(policy.get).__name__ == "builtin_function_or_method"
+
+
+class PolicyDriver:
+    """Random ``CachePolicy`` calls, legal as vLLM's manager would make them, on two policies."""
+
+    def __init__(self, oracle: Any, policies: list[Any], rng: random.Random, capacity: int) -> None:
+        self.status = sys.modules["vllm.v1.kv_offload.cpu.policies.base"].ChunkStatus
+        self.oracle, self.policies, self.rng, self.capacity = oracle, policies, rng, capacity
+        self.chunks: list[dict[bytes, Any]] = [{} for _ in policies]  # key -> ChunkStatus
+        self.ctxs: list[list[Any]] = [[] for _ in policies]
+        self.next_id = 0
+
+    def new_request(self) -> None:
+        positions = {
+            key(self.rng.randrange(40), self.rng.choice((0, 1))): 16 * self.rng.randrange(1, 9)
+            for _ in range(self.rng.randrange(0, 12))
+        }
+        for ctxs in self.ctxs:
+            ctx = self.oracle.ReqContext(f"r{len(ctxs)}")
+            for k, p in positions.items():
+                ctx.set_offload_key_position(k, p)
+            ctxs.append(ctx)
+
+    def step(self) -> tuple[str, list[Any], list[Any]] | None:
+        """One random call on every policy: ``(kind, results, get() of some keys)``."""
+        rng = self.rng
+        resident = sorted(self.chunks[0])
+        some = [key(rng.randrange(40), rng.choice((0, 1))) for _ in range(rng.randrange(1, 6))]
+        kind = rng.choice(
+            ["insert"] * 5 + ["ready", "pin", "unpin", "touch", "access", "miss", "finish"] * 2
+            + ["evict"] * 3 + ["remove", "new", "clear"]
+        )  # fmt: skip
+        new = [k for k in dict.fromkeys(some) if k not in self.chunks[0]]
+        if kind == "insert" and len(resident) + len(new) > self.capacity:
+            return None
+        if kind == "new":
+            self.new_request()
+            return None
+        inserted = {k for k in some if rng.random() < 0.5}
+        n = rng.randrange(0, 4)
+        results = [self._call(i, kind, some, new, resident, inserted, n) for i in range(2)]
+        if kind == "insert":
+            self.next_id += len(new)
+        gets = [
+            [(k, None if (c := p.get(k)) is None else (c.chunk_id, c.ref_cnt)) for k in some]
+            for p in self.policies
+        ]
+        return kind, results, gets
+
+    def _call(
+        self,
+        i: int,
+        kind: str,
+        some: list[bytes],
+        new: list[bytes],
+        resident: list[bytes],
+        inserted: set[bytes],
+        n: int,
+    ) -> Any:
+        policy, chunks, ctx = self.policies[i], self.chunks[i], self.ctxs[i][-1]
+        if kind == "insert":
+            for j, k in enumerate(new):
+                chunks[k] = self.status(self.next_id + j)
+                policy.insert(k, chunks[k], ctx)
+            return new
+        if kind == "ready":
+            pending = [k for k in resident if chunks[k].ref_cnt == -1][:3]
+            for k in pending:
+                chunks[k].ref_cnt = 0
+                policy.mark_evictable(k)
+            return pending
+        if kind == "pin":
+            ready = [k for k in resident if chunks[k].ref_cnt >= 0][:2]
+            for k in ready:
+                if chunks[k].ref_cnt == 0:
+                    policy.mark_non_evictable(k)
+                chunks[k].ref_cnt += 1
+            return ready
+        if kind == "unpin":
+            pinned = [k for k in resident if chunks[k].ref_cnt > 0][:2]
+            for k in pinned:
+                chunks[k].ref_cnt -= 1
+                if chunks[k].ref_cnt == 0:
+                    policy.mark_evictable(k)
+            return pinned
+        if kind == "touch":
+            return policy.touch(some, ctx)
+        if kind == "access":
+            return policy.on_request_access(some, ctx)
+        if kind == "miss":
+            return policy.on_store_miss(some, ctx)
+        if kind == "finish":
+            groups = (tuple(k for k in some if k[-1] == 0), tuple(k for k in some if k[-1]))
+            return policy.on_request_finished(groups, inserted, set(some) - inserted, ctx)
+        if kind == "evict":
+            out = policy.evict(n, set(some))
+            if out is None:
+                return None
+            for k, chunk in out:
+                assert chunk is chunks.pop(k)  # the very object that was inserted
+            return [(k, c.chunk_id) for k, c in out]
+        if kind == "remove":
+            pending = [k for k in resident if chunks[k].ref_cnt == -1][:1]
+            for k in pending:
+                policy.remove(k)
+                del chunks[k]
+            return pending
+        assert kind == "clear"
+        policy.clear()
+        chunks.clear()
+        return None
+
+
+def _order_of(policy: Any) -> dict[str, Any]:
+    """A policy's eviction order: LRU ranks (issued from 0), or ARC's lists and target."""
+    if hasattr(policy, "_core"):
+        state: dict[str, Any] = policy._core.policy_state()
+        if state["policy"] == "lru":
+            return {"ranks": state["ranks"]}
+        return {k: state[k] for k in ("t1", "t2", "b1", "b2", "target_t1_size")}
+    if hasattr(policy, "_ranks"):  # vLLM's first rank is 1
+        return {"ranks": {k: (major - 1, minor) for k, (major, minor) in policy._ranks.items()}}
+    return {
+        "t1": list(policy.t1),
+        "t2": list(policy.t2),
+        "b1": list(policy.b1),
+        "b2": list(policy.b2),
+        "target_t1_size": float(policy.target_t1_size),
+    }
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_rust_policy_calls_match_vllms_policy(oracle: Any, vllm_mod: Any, policy: str) -> None:
+    factory = oracle.manager_module.CachePolicyFactory
+    for seed in range(40):
+        rng = random.Random(f"{policy}/{seed}")
+        capacity = rng.randrange(1, 24)
+        policies = [
+            factory.get_cache_policy_cls(policy)(cache_capacity=capacity),
+            getattr(vllm_mod, RUST_POLICY[policy])(cache_capacity=capacity),
+        ]
+        driver = PolicyDriver(oracle, policies, rng, capacity)
+        driver.new_request()
+        for step in range(300):
+            got = driver.step()
+            if got is None:
+                continue
+            kind, results, gets = got
+            assert results[0] == results[1], (seed, step, kind, results)
+            assert gets[0] == gets[1], (seed, step, kind, gets)
+            policies[1].check_invariants()
+            assert _order_of(policies[0]) == _order_of(policies[1]), (seed, step, kind)
+
+
+def test_rust_policy_evict_is_all_or_nothing(oracle: Any, vllm_mod: Any) -> None:
+    status = sys.modules["vllm.v1.kv_offload.cpu.policies.base"].ChunkStatus
+    policy = vllm_mod.RustLRU(cache_capacity=4)
+    ctx = oracle.ReqContext("r")
+    chunks = {key(i): status(i) for i in range(3)}
+    for k, c in chunks.items():
+        policy.insert(k, c, ctx)
+        c.ref_cnt = 0
+        policy.mark_evictable(k)
+    assert policy.evict(3, {key(0)}) is None  # only two unprotected
+    assert len(policy) == 3
+    evicted = policy.evict(2, {key(0)})
+    assert [(k, c) for k, c in evicted] == [(key(1), chunks[key(1)]), (key(2), chunks[key(2)])]
+    assert policy.get(key(0)) is chunks[key(0)]
+    assert isinstance(chunks[key(0)], ctypes.Structure)
+
+
+# --- the native policy core's own contract (no vLLM needed) ---
+
+
+class _Chunk:
+    def __init__(self, chunk_id: int, ref_cnt: int = -1) -> None:
+        self.chunk_id, self.ref_cnt = chunk_id, ref_cnt
+
+
+def test_policy_core_rejects_calls_vllms_manager_never_makes() -> None:
+    from kvoffload import (
+        InvalidKeyError,
+        KeyStateError,
+        ReqContext,
+        UnsupportedPolicyError,
+        _native,
+    )
+
+    with pytest.raises(UnsupportedPolicyError):
+        _native.PolicyCore("fifo", 4)
+    core = _native.PolicyCore("lru", 4)
+    ctx = ReqContext("r")
+    core.insert(key(1), _Chunk(0), ctx)
+    with pytest.raises(KeyStateError, match="already resident"):
+        core.insert(key(1), _Chunk(1), ctx)
+    with pytest.raises(KeyStateError):
+        core.mark_non_evictable(key(1))  # pending, not evictable
+    core.mark_evictable(key(1))
+    with pytest.raises(KeyStateError, match="already evictable"):
+        core.mark_evictable(key(1))
+    with pytest.raises(KeyStateError, match="only a pending chunk"):
+        core.remove(key(1))
+    with pytest.raises(KeyStateError, match="absent"):
+        core.mark_evictable(key(2))
+    with pytest.raises(InvalidKeyError):
+        core.get("not bytes")  # type: ignore[arg-type]
+    core.remove(key(2))  # absent: ignored, as vLLM's ARC does
+    core.check_invariants()
+    assert len(core) == 1
