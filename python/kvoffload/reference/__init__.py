@@ -9,6 +9,7 @@ from __future__ import annotations
 from kvoffload.reference.admission import AdmissionTracker
 from kvoffload.reference.arc import ArcPolicy
 from kvoffload.reference.fifo import FifoPolicy
+from kvoffload.reference.lfu import LfuPolicy
 from kvoffload.reference.lru import LruPolicy
 from kvoffload.reference.manager import ChunkPool, CPUOffloadingManager
 from kvoffload.reference.policy import CachePolicy, ChunkStatus, RequestContext
@@ -25,6 +26,7 @@ __all__ = [
     "ChunkPool",
     "ChunkStatus",
     "FifoPolicy",
+    "LfuPolicy",
     "LruPolicy",
     "RequestContext",
     "S3FifoPolicy",

@@ -37,6 +37,7 @@ from kvoffload.errors import (
 from kvoffload.reference.admission import AdmissionTracker
 from kvoffload.reference.arc import ArcPolicy
 from kvoffload.reference.fifo import FifoPolicy
+from kvoffload.reference.lfu import LfuPolicy
 from kvoffload.reference.lru import LruPolicy
 from kvoffload.reference.policy import (
     CachePolicy,
@@ -75,6 +76,7 @@ _BUILTIN: dict[str, type[CachePolicy]] = {
     "s3fifo": S3FifoPolicy,
     "2q": TwoQPolicy,
     "slru": SlruPolicy,
+    "lfu": LfuPolicy,
 }
 
 

@@ -10,8 +10,8 @@ use crate::error::{ensure, show_key, CoreError, Result};
 use crate::index::{prefetch, KeyIndex};
 use crate::key::{group_of, hash_key, KeyBuf, KeySlot};
 use crate::policy::{
-    Access, ArcPolicy, CachePolicy, FifoPolicy, FinishedKey, LruPolicy, PolicyState, S3FifoPolicy,
-    SievePolicy, SlruPolicy, TwoQPolicy,
+    Access, ArcPolicy, CachePolicy, FifoPolicy, FinishedKey, LfuPolicy, LruPolicy, PolicyState,
+    S3FifoPolicy, SievePolicy, SlruPolicy, TwoQPolicy,
 };
 use crate::pool::{ChunkId, ChunkPool};
 use crate::refcount::{ChunkState, RefCountTable};
@@ -41,11 +41,13 @@ pub enum PolicyKind {
     TwoQ,
     /// Segmented LRU: probation and protected segments.
     Slru,
+    /// Least frequently used, with aging.
+    Lfu,
 }
 
 impl PolicyKind {
     /// Every built-in policy, by name.
-    pub const ALL: [(&'static str, PolicyKind); 7] = [
+    pub const ALL: [(&'static str, PolicyKind); 8] = [
         ("lru", PolicyKind::Lru),
         ("arc", PolicyKind::Arc),
         ("fifo", PolicyKind::Fifo),
@@ -53,6 +55,7 @@ impl PolicyKind {
         ("s3fifo", PolicyKind::S3Fifo),
         ("2q", PolicyKind::TwoQ),
         ("slru", PolicyKind::Slru),
+        ("lfu", PolicyKind::Lfu),
     ];
 
     /// The policy called `name`, if built in.
@@ -72,6 +75,7 @@ impl PolicyKind {
             PolicyKind::S3Fifo => Box::new(S3FifoPolicy::new(capacity)),
             PolicyKind::TwoQ => Box::new(TwoQPolicy::new(capacity)),
             PolicyKind::Slru => Box::new(SlruPolicy::new(capacity)),
+            PolicyKind::Lfu => Box::new(LfuPolicy::new()),
         }
     }
 

@@ -7,6 +7,7 @@
 
 mod arc;
 mod fifo;
+mod lfu;
 mod lru;
 mod order;
 mod queues;
@@ -17,6 +18,7 @@ mod twoq;
 
 pub use arc::ArcPolicy;
 pub use fifo::FifoPolicy;
+pub use lfu::LfuPolicy;
 pub use lru::LruPolicy;
 pub use s3fifo::S3FifoPolicy;
 pub use sieve::SievePolicy;

@@ -153,6 +153,15 @@ impl<const N: usize> Queues<N> {
         self.lens[q] += 1;
     }
 
+    /// Move parked `c` to queue `q`, still parked.
+    pub(crate) fn retarget_parked(&mut self, c: ChunkId, q: usize) {
+        let i = c as usize;
+        debug_assert!(self.parked[i]);
+        self.lens[usize::from(self.queue[i])] -= 1;
+        self.queue[i] = q as u8;
+        self.lens[q] += 1;
+    }
+
     /// The manager says `c` is ready (`true`) or not. Returns whether `c` is parked and ready
     /// now: the policy then links it back with [`move_to`](Self::move_to).
     pub(crate) fn set_ready(&mut self, c: ChunkId, ready: bool) -> bool {

@@ -1,0 +1,137 @@
+"""LFU with aging (LFU-Aging, Arlitt et al., 2000) with pinned chunks.
+
+Each resident key has a count from 1 (its store) to 15, raised by a hit (a touch of a resident
+key, or a request's first access to one). Eviction takes the key with the lowest count, the one
+that reached it first among equals. When the average count exceeds 4, every count is halved
+(rounding down): queues are emptied from count 1 up, each key going to the newest end of its new
+queue. Not-ready keys met by a scan park (see ``queues``) and re-enter at their queue's oldest
+end once ready; protected keys of the offer are passed over. The Rust ``LfuPolicy`` does exactly
+this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence, Set
+from typing import Any
+
+from kvoffload.reference.policy import CachePolicy, ChunkStatus, RequestContext, require
+from kvoffload.reference.queues import Queues
+
+__all__ = ["LfuPolicy"]
+
+MAX_COUNT = 15
+MAX_AVERAGE = 4
+
+
+class LfuPolicy(CachePolicy):
+    """LFU with aging (``"lfu"``); see the module docs."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.entries: dict[bytes, ChunkStatus] = {}
+        self.queues = Queues([str(n) for n in range(MAX_COUNT + 1)])
+        self.total = 0  # sum of the counts
+
+    def _count(self, key: bytes) -> int:
+        return int(self.queues.queue_of[key])
+
+    def _ready(self, key: bytes) -> bool:
+        return self.entries[key].is_ready
+
+    def _hit(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            if key not in self.entries:
+                continue
+            n = self._count(key)
+            if n < MAX_COUNT:
+                self.queues.move_to(key, str(n + 1))
+                self.total += 1
+                if self.total > MAX_AVERAGE * len(self.entries):
+                    self._age()
+
+    def _age(self) -> None:
+        """Halve every count, keeping each queue's order."""
+        q = self.queues
+        for n in range(1, MAX_COUNT + 1):
+            for key in list(q.linked[str(n)]):
+                q.move_to(key, str(n // 2))
+            for key in [k for k in q.parked if q.queue_of[k] == str(n)]:
+                q.lens[str(n)] -= 1
+                q.queue_of[key] = str(n // 2)
+                q.lens[str(n // 2)] += 1
+        self.total = sum(n * q.lens[str(n)] for n in range(MAX_COUNT + 1))
+
+    def get(self, key: bytes) -> ChunkStatus | None:
+        """Return the status of a resident key, or None."""
+        return self.entries.get(key)
+
+    def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
+        """A new key starts at count 1."""
+        self.entries[key] = status
+        self.queues.insert(key, "1")
+        self.total += 1
+
+    def remove(self, key: bytes) -> None:
+        """Drop a key (a failed store, or a victim)."""
+        self.total -= self._count(key)
+        self.queues.remove(key)
+        del self.entries[key]
+
+    def touch(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
+        """Hits: raise the counts."""
+        self._hit(keys)
+
+    def on_request_access(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
+        """Hits: a request's first access to resident keys."""
+        self._hit(keys)
+
+    def on_store_miss(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
+        """Nothing (the base class would touch)."""
+
+    def on_request_finished(
+        self,
+        groups: Sequence[Sequence[bytes]],
+        inserted_only: Set[bytes],
+        reused: Set[bytes],
+        req_context: RequestContext,
+    ) -> None:
+        """Nothing: the request's hits were counted when they happened."""
+
+    def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
+        """Evict ``n`` keys, lowest count first (the manager checked feasibility)."""
+        victims = []
+        for _ in range(n):
+            found = None
+            for count in range(MAX_COUNT + 1):
+                found = self.queues.first_candidate(str(count), self._ready, protected.__contains__)
+                if found is not None:
+                    break
+            if found is None:
+                return None  # unreachable: the manager asks only for feasible evictions
+            status = self.entries[found]
+            self.remove(found)
+            victims.append((found, status))
+        return victims
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self.__init__(self.cache_capacity)  # type: ignore[misc]
+
+    def mark_evictable(self, key: bytes) -> None:
+        """A parked key that is ready again re-enters at its queue's oldest end."""
+        if key in self.queues.parked:
+            self.queues.move_to(key, self.queues.queue_of[key], newest=False)
+
+    def items(self) -> Iterator[tuple[bytes, ChunkStatus]]:
+        """Every resident key with its status."""
+        return iter(list(self.entries.items()))
+
+    def state(self) -> dict[str, Any]:
+        """One queue per count, oldest first, parked keys (sorted), as the Rust core reports."""
+        return {"policy": "lfu", **self.queues.state(self._count), "ghosts": []}
+
+    def check_invariants(self) -> None:
+        """Queues, residency and the count total agree."""
+        require(self.queues.check(set(self.entries)), "lfu: queues do not match the residents")
+        total = sum(n * self.queues.lens[str(n)] for n in range(MAX_COUNT + 1))
+        require(total == self.total, "lfu: count total drifted")
