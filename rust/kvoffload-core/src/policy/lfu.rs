@@ -81,7 +81,7 @@ impl LfuPolicy {
         self.total = (0..=MAX_COUNT).map(|n| n * self.queues.len(n)).sum();
     }
 
-    fn entries(&self, lists: impl Fn(usize) -> Vec<ChunkId>) -> Vec<Vec<(ChunkId, u8)>> {
+    fn entries(lists: impl Fn(usize) -> Vec<ChunkId>) -> Vec<Vec<(ChunkId, u8)>> {
         (0..=MAX_COUNT)
             .map(|n| lists(n).into_iter().map(|c| (c, n as u8)).collect())
             .collect()
@@ -155,8 +155,8 @@ impl CachePolicy for LfuPolicy {
     fn state(&self) -> PolicyState {
         PolicyState::Queues {
             names: &NAMES,
-            linked: self.entries(|n| self.queues.linked(n)),
-            parked: self.entries(|n| self.queues.parked(n)),
+            linked: Self::entries(|n| self.queues.linked(n)),
+            parked: Self::entries(|n| self.queues.parked(n)),
             ghosts: Vec::new(),
         }
     }
