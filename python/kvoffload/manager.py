@@ -11,12 +11,14 @@ from typing import Any, ClassVar
 
 from kvoffload import _native, types
 from kvoffload._common import (
+    BUILTIN_POLICIES,
     build_stats,
     check_constructor_args,
     config_info_of,
     resolve_policy,
 )
-from kvoffload.errors import InvalidKeyError, UnsupportedPolicyError
+from kvoffload.errors import InvalidArgumentError, InvalidKeyError, UnsupportedPolicyError
+from kvoffload.shadow import HitCounts, ShadowSet, as_key_list
 from kvoffload.types import (
     CacheHitSource,
     CPULoadStoreSpec,
@@ -44,6 +46,12 @@ class CPUOffloadingManager:
     #: integration puts vLLM's classes under the same names.
     _types: ClassVar[Any] = types
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> CPUOffloadingManager:
+        """A shadowed manager (see `kvoffload.shadow`) when ``shadow_policies`` names any."""
+        if kwargs.get("shadow_policies") and cls is CPUOffloadingManager:
+            cls = _ShadowedManager
+        return super().__new__(cls)
+
     def __init__(
         self,
         num_chunks: int,
@@ -53,14 +61,18 @@ class CPUOffloadingManager:
         store_threshold: int = 1,
         max_tracker_size: int = 64_000,
         info: Any = None,
+        shadow_policies: Sequence[str] | None = None,
     ) -> None:
         check_constructor_args(num_chunks, store_threshold, max_tracker_size)
         policy = resolve_policy(cache_policy, cache_policy_module_path)
         if not isinstance(policy, str):
             raise UnsupportedPolicyError(
-                f"the Rust manager runs the built-in policies only (lru, arc); for the "
-                f"out-of-tree policy {cache_policy!r} use kvoffload.reference.CPUOffloadingManager"
+                f"the Rust manager runs the built-in policies only ({', '.join(BUILTIN_POLICIES)});"
+                f" for the out-of-tree policy {cache_policy!r} use "
+                "kvoffload.reference.CPUOffloadingManager"
             )
+        if shadow_policies and type(self) is not _ShadowedManager:
+            raise InvalidArgumentError("shadow_policies is not supported by this manager class")
         self.medium: Medium = self._types.Medium.CPU
         self._core = _native.ManagerCore(
             num_chunks,
@@ -209,3 +221,91 @@ class CPUOffloadingManager:
     def _debug_set_arc_target(self, value: float) -> None:
         """Set ARC's target size (tests only)."""
         self._core.set_arc_target(value)
+
+
+class _ShadowedManager(CPUOffloadingManager):
+    """A `CPUOffloadingManager` with what-if shadow policies (see `kvoffload.shadow`)."""
+
+    def __init__(
+        self,
+        num_chunks: int,
+        cache_policy: str = "lru",
+        cache_policy_module_path: str | None = None,
+        enable_events: bool = False,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+        info: Any = None,
+        shadow_policies: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__(
+            num_chunks,
+            cache_policy,
+            cache_policy_module_path,
+            enable_events,
+            store_threshold,
+            max_tracker_size,
+            info,
+            shadow_policies,
+        )
+        self._shadows = ShadowSet(
+            cache_policy, list(shadow_policies or ()), num_chunks, store_threshold, max_tracker_size
+        )
+
+    def lookup(self, key: bytes, req_context: Any) -> LookupResult:
+        """Look up in the live cache; count the lookup live and in every shadow."""
+        result = super().lookup(key, req_context)
+        self._shadows.lookup(key, result)
+        return result
+
+    def lookup_prefix(self, keys: Iterable[bytes], req_context: Any) -> int:
+        """Leading hits in the live cache; counted live and in every shadow."""
+        key_list = as_key_list(keys)
+        hits = super().lookup_prefix(key_list, req_context)
+        self._shadows.lookup_prefix(key_list, hits)
+        return hits
+
+    def prepare_load(self, keys: Iterable[bytes], req_context: Any) -> CPULoadStoreSpec:
+        """Pin for loading; each shadow loads the keys it holds."""
+        key_list = as_key_list(keys)
+        spec = super().prepare_load(key_list, req_context)
+        self._shadows.prepare_load(key_list, req_context)
+        return spec
+
+    def touch(self, keys: Iterable[bytes], req_context: Any) -> None:
+        """Touch live and in every shadow."""
+        key_list = as_key_list(keys)
+        super().touch(key_list, req_context)
+        self._shadows.touch(key_list)
+
+    def prepare_store(self, keys: Iterable[bytes], req_context: Any) -> PrepareStoreOutput | None:
+        """Offer live and to every shadow."""
+        key_list = as_key_list(keys)
+        out = super().prepare_store(key_list, req_context)
+        self._shadows.prepare_store(key_list, req_context)
+        return out
+
+    def on_new_request(self, req_context: Any) -> RequestOffloadingContext:
+        """Start the request live and in every shadow."""
+        context = super().on_new_request(req_context)
+        self._shadows.on_new_request(req_context)
+        return context
+
+    def on_request_finished(self, req_context: Any) -> None:
+        """Finish the request live and in every shadow."""
+        super().on_request_finished(req_context)
+        self._shadows.on_request_finished(req_context)
+
+    def reset_cache(self) -> None:
+        """Empty the live cache and every shadow."""
+        super().reset_cache()
+        self._shadows.reset_cache()
+
+    def get_stats(self) -> OffloadingStats:
+        """VLLM's stats, plus lookups and hits per policy since the last report."""
+        stats = super().get_stats()
+        self._shadows.add_stats(stats)
+        return stats
+
+    def shadow_report(self) -> list[HitCounts]:
+        """Lookups, hits and hit rate since construction: the live policy, then each shadow."""
+        return self._shadows.report()

@@ -130,6 +130,27 @@ impl ManagerCore {
         ))
     }
 
+    /// The keys of `keys` whose residency is `resident`, in order.
+    fn select_keys<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        resident: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let keys = Keys::extract(keys)?;
+        let keep: Vec<bool> = {
+            let m = self.lock(py)?;
+            keys.slices()
+                .iter()
+                .map(|k| m.is_resident(k) == resident)
+                .collect()
+        };
+        PyList::new(
+            py,
+            keys.objs.iter().zip(keep).filter(|(_, k)| *k).map(|(k, _)| k),
+        )
+    }
+
     fn positions<'py>(
         &self,
         ctx: &Context<'py>,
@@ -492,19 +513,16 @@ impl ManagerCore {
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let keys = Keys::extract(keys)?;
-        let absent: Vec<bool> = {
-            let m = self.lock(py)?;
-            keys.slices().iter().map(|k| !m.is_resident(k)).collect()
-        };
-        PyList::new(
-            py,
-            keys.objs
-                .iter()
-                .zip(absent)
-                .filter(|(_, a)| *a)
-                .map(|(k, _)| k),
-        )
+        self.select_keys(py, keys, false)
+    }
+
+    /// The keys of `keys` that are resident: pending, ready or pinned (in order).
+    fn resident_keys<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        self.select_keys(py, keys, true)
     }
 
     /// `(num_chunks, num_used, num_pending, allocation_sizes, stores_skipped or None)`.

@@ -1,0 +1,202 @@
+"""What-if shadow policies: the live traffic replayed through other policies, keys only.
+
+``CPUOffloadingManager(..., shadow_policies=["arc", "s3fifo"])`` runs one extra Rust manager per
+named policy beside the live one. A shadow holds keys and ordering only (no memory is behind its
+chunks) and sees every call the live manager completes without error:
+
+- ``lookup`` / ``lookup_prefix``: the shadow answers for itself and counts its hits; the live
+  manager's answers are counted the same way. A ``lookup_prefix`` of *n* keys that hits *h*
+  counts as the ``h + 1`` single lookups a scheduler would make (``h`` when all hit);
+- ``prepare_load``: the keys resident in the shadow are loaded there, and the load completes at
+  once (a shadow has no transfers, so nothing stays pinned);
+- ``touch``, ``on_new_request``, ``on_request_finished``, ``reset_cache``: passed on;
+- ``prepare_store``: offered to the shadow, whose store completes at once.
+
+So a shadow answers "what would the hit rate have been under policy X on the same requests", with
+transfers taken as instantaneous. ``get_stats()`` reports, per policy, the keys looked up and the
+keys that hit since the last report (counters ``kvoffload:shadow_lookup_keys`` and
+``kvoffload:shadow_hit_keys``, labelled ``("live", policy)`` or ``("shadow", policy)``);
+``shadow_report()`` gives the totals since construction. Each shadow costs about one more manager
+call per call, in Rust; requests carry one extra context per shadow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload import _native
+from kvoffload.errors import InvalidArgumentError
+from kvoffload.types import LookupResult, OffloadingStats, ReqContext
+
+__all__ = ["SHADOW_HITS", "SHADOW_LOOKUPS", "HitCounts", "ShadowSet"]
+
+SHADOW_LOOKUPS = "kvoffload:shadow_lookup_keys"
+SHADOW_HITS = "kvoffload:shadow_hit_keys"
+
+
+@dataclass
+class HitCounts:
+    """Keys looked up and keys that hit, for one policy."""
+
+    policy: str
+    role: str  # "live" or "shadow"
+    lookups: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits per lookup (0.0 before any lookup)."""
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class _ShadowContexts:
+    """The shadow request contexts of one live request, kept on the live context."""
+
+    __slots__ = ("contexts",)
+
+    def __init__(self) -> None:
+        self.contexts: dict[int, ReqContext] = {}
+
+
+class _Shadow:
+    def __init__(
+        self, policy: str, num_chunks: int, store_threshold: int, max_tracker_size: int
+    ) -> None:
+        self.core = _native.ManagerCore(
+            num_chunks, policy, False, store_threshold, max_tracker_size
+        )
+        self.total = HitCounts(policy, "shadow")
+        self.since_report = HitCounts(policy, "shadow")
+
+    def count(self, lookups: int, hits: int) -> None:
+        for c in (self.total, self.since_report):
+            c.lookups += lookups
+            c.hits += hits
+
+
+def _prefix_lookups(num_keys: int, hits: int) -> int:
+    """Single lookups a scheduler makes for a prefix of ``num_keys`` keys with ``hits`` hits."""
+    return hits if hits == num_keys else hits + 1
+
+
+class ShadowSet:
+    """The shadows of one live manager; see the module docs."""
+
+    def __init__(
+        self,
+        live_policy: str,
+        policies: Sequence[str],
+        num_chunks: int,
+        store_threshold: int,
+        max_tracker_size: int,
+    ) -> None:
+        if isinstance(policies, str) or not all(isinstance(p, str) for p in policies):
+            raise InvalidArgumentError("shadow_policies must be a list of policy names")
+        self.shadows = [_Shadow(p, num_chunks, store_threshold, max_tracker_size) for p in policies]
+        self.live_total = HitCounts(live_policy, "live")
+        self.live_since_report = HitCounts(live_policy, "live")
+
+    def _contexts(self, live: Any) -> list[ReqContext]:
+        """Each shadow's context for the live request context ``live`` (made on first use)."""
+        holder = live.get_state(_ShadowContexts)
+        if holder is None:
+            holder = _ShadowContexts()
+            live.set_state(holder)
+        out = []
+        for i in range(len(self.shadows)):
+            ctx = holder.contexts.get(i)
+            if ctx is None:
+                ctx = ReqContext(req_id=str(getattr(live, "req_id", "")))
+                positions = getattr(live, "_offload_key_positions", None)
+                if isinstance(positions, dict):
+                    ctx._offload_key_positions = positions  # the live request's positions
+                holder.contexts[i] = ctx
+            out.append(ctx)
+        return out
+
+    def _count_live(self, lookups: int, hits: int) -> None:
+        for c in (self.live_total, self.live_since_report):
+            c.lookups += lookups
+            c.hits += hits
+
+    def lookup(self, key: bytes, live_result: Any) -> None:
+        """Count a single lookup, live and in every shadow."""
+        self._count_live(1, int(live_result.name == "HIT"))
+        for s in self.shadows:
+            s.count(1, int(s.core.lookup(key) is LookupResult.HIT))
+
+    def lookup_prefix(self, keys: Sequence[bytes], live_hits: int) -> None:
+        """Count a prefix lookup, live and in every shadow."""
+        self._count_live(_prefix_lookups(len(keys), live_hits), live_hits)
+        for s in self.shadows:
+            hits = s.core.lookup_prefix(keys)
+            s.count(_prefix_lookups(len(keys), hits), hits)
+
+    def prepare_load(self, keys: Sequence[bytes], live_ctx: Any) -> None:
+        """Load (and at once complete) the keys each shadow holds."""
+        for s, ctx in zip(self.shadows, self._contexts(live_ctx), strict=True):
+            present = s.core.resident_keys(keys)
+            if present:
+                s.core.prepare_load(present, ctx)
+                s.core.complete_load(present)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Pass a touch on."""
+        for s in self.shadows:
+            s.core.touch(keys)
+
+    def prepare_store(self, keys: Sequence[bytes], live_ctx: Any) -> None:
+        """Offer the keys to every shadow; its store completes at once."""
+        for s, ctx in zip(self.shadows, self._contexts(live_ctx), strict=True):
+            out = s.core.prepare_store(keys, ctx)
+            if out is not None and out.keys_to_store:
+                s.core.complete_store(out.keys_to_store, True)
+
+    def on_new_request(self, live_ctx: Any) -> None:
+        """Give each shadow's context its request state."""
+        for s, ctx in zip(self.shadows, self._contexts(live_ctx), strict=True):
+            s.core.on_new_request(ctx)
+
+    def on_request_finished(self, live_ctx: Any) -> None:
+        """Finish the request in every shadow."""
+        holder = live_ctx.get_state(_ShadowContexts)
+        if holder is None:
+            return
+        for i, s in enumerate(self.shadows):
+            ctx = holder.contexts.get(i)
+            if ctx is not None:
+                s.core.on_request_finished(ctx)
+
+    def reset_cache(self) -> None:
+        """Empty every shadow."""
+        for s in self.shadows:
+            s.core.reset_cache()
+
+    def add_stats(self, stats: OffloadingStats) -> None:
+        """Add the counts since the last report to ``stats`` and restart them."""
+        rows = [self.live_since_report] + [s.since_report for s in self.shadows]
+        for c in rows:
+            labels = (c.role, c.policy)
+            stats.increase_counter(SHADOW_LOOKUPS, c.lookups, labels)
+            stats.increase_counter(SHADOW_HITS, c.hits, labels)
+            c.lookups = c.hits = 0
+
+    def report(self) -> list[HitCounts]:
+        """Totals since construction: the live policy first, then each shadow."""
+        return [self.live_total] + [s.total for s in self.shadows]
+
+
+def as_key_list(keys: Iterable[bytes]) -> Any:
+    """``keys`` as a list, so that the shadows see what the live manager read.
+
+    An iterator can be read once; anything that is not iterable is returned as is, for the live
+    manager to reject with its own error.
+    """
+    if isinstance(keys, (list, tuple)):
+        return keys
+    try:
+        return list(keys)
+    except TypeError:
+        return keys
