@@ -36,16 +36,14 @@ def main() -> None:
             if shadows:
                 reports[i] = m.shadow_report()  # type: ignore[attr-defined]
     base = best[0]
-    print(
-        f"{args.requests} requests, {args.chunks} chunks, live policy lru (fastest of {args.repeat})"
-    )
+    head = f"{args.requests} requests, {args.chunks} chunks, live policy lru"
+    print(f"{head} (fastest of {args.repeat})")
     print("| shadows | µs per step | added per shadow |")
     print("|---|---:|---:|")
     for i, shadows in enumerate(SHADOW_SETS):
         added = (best[i] - base) / len(shadows) if shadows else 0.0
-        print(
-            f"| {', '.join(shadows) or '(none)'} | {best[i]:,.1f} | {added:,.1f} µs ({added / base:.0%}) |"
-        )
+        names = ", ".join(shadows) or "(none)"
+        print(f"| {names} | {best[i]:,.1f} | {added:,.1f} µs ({added / base:.0%}) |")
     print()
     print("| policy | lookups | hits | hit rate |")
     print("|---|---:|---:|---:|")

@@ -60,7 +60,9 @@ def test_shadows_report_per_policy_and_restart_each_report() -> None:
     drive(m)
     report = {(c.role, c.policy): c for c in m.shadow_report()}
     assert set(report) == {("live", "lru"), ("shadow", "fifo"), ("shadow", "s3fifo")}
-    assert len({c.lookups for c in report.values()}) > 1 or len({c.hits for c in report.values()}) > 1
+    assert (
+        len({c.lookups for c in report.values()}) > 1 or len({c.hits for c in report.values()}) > 1
+    )
     data = m.get_stats().data
     assert data["types"][SHADOW_LOOKUPS] == "counter"
     assert {k: v for k, v in data["data"][SHADOW_HITS].items()} == {

@@ -147,7 +147,11 @@ impl ManagerCore {
         };
         PyList::new(
             py,
-            keys.objs.iter().zip(keep).filter(|(_, k)| *k).map(|(k, _)| k),
+            keys.objs
+                .iter()
+                .zip(keep)
+                .filter(|(_, k)| *k)
+                .map(|(k, _)| k),
         )
     }
 
