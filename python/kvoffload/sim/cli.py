@@ -15,6 +15,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from kvoffload._common import BUILTIN_POLICIES
 from kvoffload.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.sim import libcachesim_ref
 from kvoffload.sim.api import load_workload, miss_ratio_curve, working_set
@@ -48,7 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"{', '.join(GENERATORS)}, zipf-objects (classic) or a trace path (chat)",
     )
     add("--format", choices=("jsonl", "txt", "csv", "oracleGeneral"), help="trace format")
-    add("--policies", default="lru,arc", help="comma-separated cache policies (lru,arc)")
+    add(
+        "--policies",
+        default="lru,arc",
+        help=f"comma-separated cache policies (lru,arc); built in: {','.join(BUILTIN_POLICIES)}",
+    )
     add("--impl", default=sim.impl, help="rust, reference or module:Class (rust)")
     add("--cache-policy-module-path", help="module of an out-of-tree policy (reference impl)")
     add("--sizes", type=_csv_ints, help="cache sizes in chunks (default: fractions of the WSS)")
