@@ -11,6 +11,7 @@ whose report holds the call history and a Python repro. ``shrink`` cuts a failin
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import os
@@ -71,6 +72,7 @@ class Config:
     policy: str = "lru"
     store_threshold: int = 1
     max_tracker_size: int = 64_000
+    admission: str = "tracker"  # or "tinylfu" (kvoffload only: vLLM has the tracker)
     enable_events: bool = True
     groups: tuple[int, ...] = (0,)  # KV group indices, in the order a prompt lists them
     num_hashes: int = 8
@@ -84,6 +86,7 @@ class Config:
             "enable_events": self.enable_events,
             "store_threshold": self.store_threshold,
             "max_tracker_size": self.max_tracker_size,
+            **({"admission": self.admission} if self.admission != "tracker" else {}),
         }
 
     @classmethod
@@ -1080,10 +1083,14 @@ class SequenceResult:
     ops: list[Op]
 
 
-def sequence_config(policy: str, threshold: int, seed: int) -> tuple[Config, random.Random]:
+def sequence_config(
+    policy: str, threshold: int, seed: int, admission: str = "tracker"
+) -> tuple[Config, random.Random]:
     """The configuration of sequence ``seed`` and the random stream that continues it."""
-    rng = random.Random(f"{policy}/{threshold}/{seed}")
-    return Config.draw(RandomChooser(rng), policy, threshold), rng
+    prefix = "" if admission == "tracker" else f"{admission}/"
+    rng = random.Random(f"{prefix}{policy}/{threshold}/{seed}")
+    config = Config.draw(RandomChooser(rng), policy, threshold)
+    return dataclasses.replace(config, admission=admission), rng
 
 
 def run_sequence(
@@ -1093,9 +1100,10 @@ def run_sequence(
     seed: int,
     calls: int,
     introspect: bool = True,
+    admission: str = "tracker",
 ) -> SequenceResult:
     """Generate and run one seeded sequence of ``calls`` legal calls."""
-    config, rng = sequence_config(policy, threshold, seed)
+    config, rng = sequence_config(policy, threshold, seed, admission)
     session = Session(config, specs, f"{policy} threshold={threshold} seed={seed}", introspect)
     ch = RandomChooser(rng)
     gen = Generator(session.model, ch)

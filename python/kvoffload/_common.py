@@ -35,6 +35,18 @@ def resolve_policy(name: str, module_path: str | None) -> str | type:
     return policy_cls
 
 
+#: What can count offers for ``store_threshold``: vLLM's bounded tracker, or a TinyLFU sketch.
+ADMISSIONS: tuple[str, ...] = ("tracker", "tinylfu")
+
+
+def check_admission(admission: object) -> None:
+    """Reject an ``admission`` that is not one of ADMISSIONS."""
+    if admission not in ADMISSIONS:
+        raise InvalidArgumentError(
+            f"admission must be one of {list(ADMISSIONS)}, got {admission!r}"
+        )
+
+
 def check_constructor_args(
     num_chunks: object, store_threshold: object, max_tracker_size: object
 ) -> None:

@@ -13,6 +13,7 @@ from kvoffload import _native, types
 from kvoffload._common import (
     BUILTIN_POLICIES,
     build_stats,
+    check_admission,
     check_constructor_args,
     config_info_of,
     resolve_policy,
@@ -62,8 +63,10 @@ class CPUOffloadingManager:
         max_tracker_size: int = 64_000,
         info: Any = None,
         shadow_policies: Sequence[str] | None = None,
+        admission: str = "tracker",
     ) -> None:
         check_constructor_args(num_chunks, store_threshold, max_tracker_size)
+        check_admission(admission)
         policy = resolve_policy(cache_policy, cache_policy_module_path)
         if not isinstance(policy, str):
             raise UnsupportedPolicyError(
@@ -81,6 +84,7 @@ class CPUOffloadingManager:
             store_threshold,
             max_tracker_size,
             None if self._types is types else self._types,
+            admission,
         )
         self._num_chunks = num_chunks
         self._config_info = config_info_of(info)
@@ -236,6 +240,7 @@ class _ShadowedManager(CPUOffloadingManager):
         max_tracker_size: int = 64_000,
         info: Any = None,
         shadow_policies: Sequence[str] | None = None,
+        admission: str = "tracker",
     ) -> None:
         super().__init__(
             num_chunks,
@@ -246,6 +251,7 @@ class _ShadowedManager(CPUOffloadingManager):
             max_tracker_size,
             info,
             shadow_policies,
+            admission,
         )
         self._shadows = ShadowSet(
             cache_policy, list(shadow_policies or ()), num_chunks, store_threshold, max_tracker_size

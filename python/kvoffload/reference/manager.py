@@ -20,6 +20,7 @@ from typing import Any
 
 from kvoffload._common import (
     build_stats,
+    check_admission,
     check_constructor_args,
     check_context,
     config_info_of,
@@ -49,6 +50,7 @@ from kvoffload.reference.policy import (
 )
 from kvoffload.reference.s3fifo import S3FifoPolicy
 from kvoffload.reference.sieve import SievePolicy
+from kvoffload.reference.sketch import FrequencySketch, sketch_hash
 from kvoffload.reference.slru import SlruPolicy
 from kvoffload.reference.twoq import TwoQPolicy
 from kvoffload.types import (
@@ -122,6 +124,7 @@ class _RequestState:
     inserted: set[bytes] = dataclasses.field(default_factory=set)
     reused: set[bytes] = dataclasses.field(default_factory=set)
     store_misses_reported: set[bytes] = dataclasses.field(default_factory=set)
+    counted: set[bytes] = dataclasses.field(default_factory=set)  # in the TinyLFU sketch
 
 
 def _as_key(key: object) -> bytes:
@@ -169,8 +172,10 @@ class CPUOffloadingManager:
         store_threshold: int = 1,
         max_tracker_size: int = 64_000,
         info: object = None,
+        admission: str = "tracker",
     ) -> None:
         check_constructor_args(num_chunks, store_threshold, max_tracker_size)
+        check_admission(admission)
         resolved = resolve_policy(cache_policy, cache_policy_module_path)
         self.num_chunks = num_chunks
         self._builtin_policy = isinstance(resolved, str)
@@ -184,7 +189,15 @@ class CPUOffloadingManager:
         self._num_pending = 0  # chunks with ref_cnt -1
         self._num_evictable = 0  # chunks with ref_cnt 0
         self._store_threshold = store_threshold
-        self._tracker = AdmissionTracker(max_tracker_size) if store_threshold >= 2 else None
+        counting = store_threshold >= 2
+        self._tracker = (
+            AdmissionTracker(max_tracker_size) if counting and admission == "tracker" else None
+        )
+        self._sketch = (
+            FrequencySketch(store_threshold, max_tracker_size)
+            if counting and admission == "tinylfu"
+            else None
+        )
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._allocation_sizes: list[int] = []  # histogram samples since the last report
         self._stores_skipped = 0  # since the last report
@@ -351,10 +364,16 @@ class CPUOffloadingManager:
                 candidates.append(key)
             elif status.is_readable:
                 existing.add(key)
-        tracker = self._tracker
+        tracker, sketch = self._tracker, self._sketch
         if tracker is not None:
             threshold = self._store_threshold
             to_store = [k for k in candidates if tracker.count_after_one_offer(k) >= threshold]
+        elif sketch is not None:
+            current = self._current_state(req_context)
+            counted = current.counted if current is not None else set()
+            to_store = [
+                k for k in candidates if sketch.would_admit_next(sketch_hash(k), k not in counted)
+            ]
         else:
             to_store = candidates
         admitted = set(to_store)
@@ -364,6 +383,15 @@ class CPUOffloadingManager:
         # 1, 3: count the offer; drop candidates below the threshold.
         if tracker is not None:
             tracker.count_offer(key_list)
+            self._stores_skipped += len(candidates) - len(to_store)
+        elif sketch is not None:
+            # Each key once per request, after a reset that is due.
+            sketch.age_if_due()
+            counted = self._recording_state(req_context).counted
+            for key in key_list:
+                if key not in counted:
+                    counted.add(key)
+                    sketch.increment(sketch_hash(key))
             self._stores_skipped += len(candidates) - len(to_store)
         # 4: first-time store misses of this request go to the policy.
         state = self._recording_state(req_context)
@@ -466,7 +494,7 @@ class CPUOffloadingManager:
             num_used,
             self._num_pending,
             self._allocation_sizes,
-            self._stores_skipped if self._tracker is not None else None,
+            self._stores_skipped if self._tracker is not None or self._sketch is not None else None,
         )
         self._allocation_sizes = []
         self._stores_skipped = 0

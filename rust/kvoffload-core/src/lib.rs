@@ -25,12 +25,15 @@ pub mod policy;
 pub mod pool;
 pub mod refcount;
 pub mod request;
+pub mod sketch;
 
 pub use admission::AdmissionTracker;
 pub use error::{CoreError, Result};
 pub use host::{ChunkLayout, HostPool, HostPoolOptions, Region, RegionOptions};
 pub use key::{group_of, hash_key, KeyBuf};
-pub use manager::{Event, Lookup, Manager, ManagerConfig, PolicyKind, RawStats, StoreOutcome};
+pub use manager::{
+    Admission, Event, Lookup, Manager, ManagerConfig, PolicyKind, RawStats, StoreOutcome,
+};
 pub use policy::{ArcPolicy, CachePolicy, LruPolicy, PolicyState};
 pub use pool::{ChunkId, ChunkPool};
 pub use refcount::{ChunkState, RefCountTable};

@@ -16,6 +16,7 @@ use crate::policy::{
 use crate::pool::{ChunkId, ChunkPool};
 use crate::refcount::{ChunkState, RefCountTable};
 use crate::request::{RequestState, INSERTED, REPORTED, REUSED};
+use crate::sketch::{sketch_hash, FrequencySketch};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -106,8 +107,20 @@ pub struct ManagerConfig {
     pub enable_events: bool,
     /// Offers a key needs before it is stored; the tracker exists only at 2 or more.
     pub store_threshold: u64,
-    /// Bound of the admission tracker.
+    /// Bound of the admission tracker; with [`Admission::TinyLfu`], the sketch's width.
     pub max_tracker_size: usize,
+    /// What counts offers for `store_threshold`.
+    pub admission: Admission,
+}
+
+/// What counts offers for `store_threshold` (at 2 or more).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Admission {
+    /// vLLM's bounded offer-count table ([`AdmissionTracker`]).
+    #[default]
+    Tracker,
+    /// A `TinyLFU` frequency sketch ([`FrequencySketch`]), counting a key once per request.
+    TinyLfu,
 }
 
 /// What `lookup` finds.
@@ -180,6 +193,7 @@ pub struct Manager {
     index: KeyIndex,
     policy: Box<dyn CachePolicy>,
     tracker: Option<AdmissionTracker>,
+    sketch: Option<FrequencySketch>,
     events: Option<Vec<Event>>,
     allocation_sizes: Vec<u64>,
     stores_skipped: u64,
@@ -206,8 +220,10 @@ impl Manager {
             slots: Vec::new(),
             index: KeyIndex::new(),
             policy,
-            tracker: (config.store_threshold >= 2)
+            tracker: (config.store_threshold >= 2 && config.admission == Admission::Tracker)
                 .then(|| AdmissionTracker::new(config.store_threshold, config.max_tracker_size)),
+            sketch: (config.store_threshold >= 2 && config.admission == Admission::TinyLfu)
+                .then(|| FrequencySketch::new(config.store_threshold, config.max_tracker_size)),
             events: config.enable_events.then(Vec::new),
             allocation_sizes: Vec::new(),
             stores_skipped: 0,
@@ -415,12 +431,17 @@ impl Manager {
         let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
         check_distinct(keys, &hashes)?;
         let found = self.resolve(keys, &hashes);
+        let sketch_hashes: Scratch<u64> = match &self.sketch {
+            Some(_) => keys.iter().map(|k| sketch_hash(k)).collect(),
+            None => SmallVec::new(),
+        };
         let status: Scratch<Offered> = keys
             .iter()
             .zip(&found)
-            .map(|(k, &c)| match c {
+            .enumerate()
+            .map(|(i, (k, &c))| match c {
                 None => Offered::Absent {
-                    admitted: self.tracker.as_ref().is_none_or(|t| t.would_admit(k)),
+                    admitted: self.would_admit(k, sketch_hashes.get(i).copied(), req),
                 },
                 Some(c) if self.refs.state(c) == ChunkState::Pending => Offered::Pending(c),
                 Some(c) => Offered::Readable(c),
@@ -438,13 +459,11 @@ impl Manager {
         call.check_may_record(req, recorded.iter().copied())?;
 
         // 1-3: count the offer, drop candidates below the threshold.
-        if let Some(t) = &mut self.tracker {
-            t.record(keys.iter().copied());
-        }
+        self.count_offer(keys, &sketch_hashes, req);
         let candidates: Scratch<usize> = (0..keys.len())
             .filter(|&i| status[i] == Offered::Absent { admitted: true })
             .collect();
-        if self.tracker.is_some() {
+        if self.tracker.is_some() || self.sketch.is_some() {
             let absent = status
                 .iter()
                 .filter(|s| matches!(s, Offered::Absent { .. }))
@@ -609,10 +628,8 @@ impl Manager {
             num_used: self.pool.num_used() - self.refs.num_evictable(),
             num_pending: self.refs.num_pending(),
             allocation_sizes: std::mem::take(&mut self.allocation_sizes),
-            stores_skipped: self
-                .tracker
-                .as_ref()
-                .map(|_| std::mem::take(&mut self.stores_skipped)),
+            stores_skipped: (self.tracker.is_some() || self.sketch.is_some())
+                .then(|| std::mem::take(&mut self.stores_skipped)),
         }
     }
 
@@ -672,6 +689,9 @@ impl Manager {
         if let Some(t) = &self.tracker {
             t.validate()?;
         }
+        if let Some(s) = &self.sketch {
+            s.validate()?;
+        }
         let (fresh, free) = self.pool.state();
         ensure!(
             self.slots.len() == fresh as usize,
@@ -723,6 +743,32 @@ impl Manager {
     }
 
     // --- internals ---
+
+    /// Whether the threshold admits absent `key` in the coming offer (`sketch_hash`: its
+    /// sketch hash when a sketch counts offers).
+    fn would_admit(&self, key: &[u8], sketch_hash: Option<u64>, req: &RequestState) -> bool {
+        match (&self.tracker, &self.sketch, sketch_hash) {
+            (Some(t), _, _) => t.would_admit(key),
+            (None, Some(s), Some(h)) => s.would_admit_next(h, !req.counted.contains(&h)),
+            _ => true,
+        }
+    }
+
+    /// Count an offer: the tracker counts every offer; the sketch counts each key once per
+    /// request, after a reset that is due.
+    fn count_offer(&mut self, keys: &[&[u8]], sketch_hashes: &[u64], req: &mut RequestState) {
+        if let Some(t) = &mut self.tracker {
+            t.record(keys.iter().copied());
+        }
+        if let Some(s) = &mut self.sketch {
+            s.age_if_due();
+            for &h in sketch_hashes {
+                if req.counted.insert(h) {
+                    s.increment(h);
+                }
+            }
+        }
+    }
 
     /// Evict enough chunks (never one of the offer's) for `n` candidates; `None` if impossible.
     fn make_room(&mut self, n: usize, status: &[Offered]) -> Option<Vec<ChunkId>> {

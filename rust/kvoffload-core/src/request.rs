@@ -7,7 +7,7 @@
 
 use crate::key::KeyBuf;
 use crate::policy::RequestRank;
-use hashbrown::HashTable;
+use hashbrown::{HashSet, HashTable};
 
 /// The request got a chunk for the key in `prepare_store`.
 pub(crate) const INSERTED: u8 = 1;
@@ -35,6 +35,8 @@ pub struct RequestState {
     pub(crate) rank: RequestRank,
     /// Index into `seen` by key hash.
     table: HashTable<u32>,
+    /// Sketch hashes of the keys this request has counted in a `TinyLFU` sketch.
+    pub(crate) counted: HashSet<u64>,
     pub(crate) seen: Vec<SeenKey>,
 }
 
@@ -46,6 +48,7 @@ impl RequestState {
             finished: false,
             rank: None,
             table: HashTable::new(),
+            counted: HashSet::new(),
             seen: Vec::new(),
         }
     }

@@ -251,8 +251,10 @@ fn spec<'py>(
 impl ManagerCore {
     #[new]
     #[pyo3(signature = (
-        num_chunks, policy, enable_events, store_threshold, max_tracker_size, result_types=None
+        num_chunks, policy, enable_events, store_threshold, max_tracker_size, result_types=None,
+        admission="tracker"
     ))]
+    #[allow(clippy::too_many_arguments)] // the manager's constructor arguments, one for one
     fn new(
         py: Python<'_>,
         num_chunks: i64,
@@ -261,7 +263,19 @@ impl ManagerCore {
         store_threshold: i64,
         max_tracker_size: i64,
         result_types: Option<&Bound<'_, PyAny>>,
+        admission: &str,
     ) -> PyResult<Self> {
+        let admission = match admission {
+            "tracker" => core::Admission::Tracker,
+            "tinylfu" => core::Admission::TinyLfu,
+            other => {
+                return Err(raise(
+                    py,
+                    "InvalidArgumentError",
+                    format!("admission must be 'tracker' or 'tinylfu', got {other:?}"),
+                ))
+            }
+        };
         let types = result_types.map(ResultTypes::from_namespace).transpose()?;
         let bad = |msg: String| raise(py, "InvalidArgumentError", msg);
         let num_chunks = u32::try_from(num_chunks)
@@ -302,6 +316,7 @@ impl ManagerCore {
             enable_events,
             store_threshold,
             max_tracker_size,
+            admission,
         };
         let inner = Manager::new(&config).map_err(|e| to_py(py, e))?;
         Ok(Self {

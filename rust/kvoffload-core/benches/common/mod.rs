@@ -81,6 +81,7 @@ impl Workload {
             enable_events: false,
             store_threshold: 1,
             max_tracker_size: 1,
+            admission: kvoffload_core::Admission::default(),
         })
         .expect("valid manager config");
         let mut w = Self {

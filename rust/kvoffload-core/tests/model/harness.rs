@@ -156,6 +156,7 @@ impl Harness {
             enable_events: cfg.events,
             store_threshold: cfg.threshold,
             max_tracker_size: cfg.tracker,
+            admission: kvoffload_core::Admission::default(),
         })
         .expect("valid config");
         let model = Model::new(

@@ -46,6 +46,7 @@ impl Twin {
             enable_events: true,
             store_threshold: threshold,
             max_tracker_size: tracker,
+            admission: kvoffload_core::Admission::default(),
         })
         .unwrap();
         let model = Model::new(
