@@ -1,10 +1,10 @@
 """Classic mode against libCacheSim 0.3.5: LRU and ARC miss ratios equal on a seeded Zipf trace.
 
 LRU is the manager's built-in ``lru`` (Rust). vLLM's ARC (the built-in ``arc``) is not
-libCacheSim's ARC: `kvoffload.sim.policies` names the three differences, and its
-``LibCacheSimArc`` plug-in (vLLM's ARC with the three switched to the paper's rules, run by the
-reference manager) is libCacheSim's ARC. The tests show both halves of that account: the plug-in
-equals libCacheSim, and the plug-in with the switches off equals the built-in ``arc``.
+libCacheSim's ARC: `kvoffload.reference.arc_paper` names the three differences, and the built-in
+``arc-paper`` (vLLM's ARC with the three switched to the paper's rules; Rust core and reference)
+is libCacheSim's ARC. The tests show both halves of that account: ``arc-paper`` equals
+libCacheSim on the Rust manager, and the twin with the switches off equals the built-in ``arc``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def libcachesim_misses(zipf_trace: ObjectTrace, tmp_path_factory: pytest.TempPat
 
 
 def _misses(trace: ObjectTrace, size: int, policy: str, impl: str = "rust") -> int:
-    module = None if policy in ("lru", "arc") else PLUGIN
+    module = None if policy in ("lru", "arc", "arc-paper") else PLUGIN
     cfg = SimConfig(num_chunks=size, policy=policy, impl=impl, cache_policy_module_path=module)
     res = simulate(trace, cfg)
     assert res.requests == len(trace)
@@ -62,6 +62,13 @@ def test_lru_equals_libcachesim(
     zipf_trace: ObjectTrace, libcachesim_misses: dict, size: int
 ) -> None:
     assert _misses(zipf_trace, size, "lru") == libcachesim_misses["lru", size]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_builtin_arc_paper_equals_libcachesim_on_the_rust_manager(
+    zipf_trace: ObjectTrace, libcachesim_misses: dict, size: int
+) -> None:
+    assert _misses(zipf_trace, size, "arc-paper") == libcachesim_misses["arc", size]
 
 
 @pytest.mark.parametrize("size", SIZES)

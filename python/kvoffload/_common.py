@@ -11,7 +11,17 @@ from kvoffload.errors import InvalidArgumentError, UnsupportedPolicyError
 from kvoffload.types import CPUOffloadingMetrics, Medium, OffloadingEvent, OffloadingStats
 
 #: The policies built into kvoffload; a registered name wins over a module path.
-BUILTIN_POLICIES: tuple[str, ...] = ("lru", "arc", "fifo", "sieve", "s3fifo", "2q", "slru", "lfu")
+BUILTIN_POLICIES: tuple[str, ...] = (
+    "lru",
+    "arc",
+    "fifo",
+    "sieve",
+    "s3fifo",
+    "2q",
+    "slru",
+    "lfu",
+    "arc-paper",
+)
 
 
 def resolve_policy(name: str, module_path: str | None) -> str | type:

@@ -166,12 +166,16 @@ class ArcPolicy(CachePolicy):
             "target_t1_size": float(self.target_t1_size),
         }
 
+    def _check_ghost_bounds(self) -> None:
+        cap = self.cache_capacity
+        require(len(self.b1) <= cap, f"ARC: B1 has {len(self.b1)} keys, capacity {cap}")
+        require(len(self.b2) <= cap, f"ARC: B2 has {len(self.b2)} keys, capacity {cap}")
+
     def check_invariants(self) -> None:
         """Check that the four lists are disjoint and fit the capacity."""
         cap = self.cache_capacity
         require(len(self.t1) + len(self.t2) <= cap, "ARC: T1 and T2 hold more than the capacity")
-        require(len(self.b1) <= cap, f"ARC: B1 has {len(self.b1)} keys, capacity {cap}")
-        require(len(self.b2) <= cap, f"ARC: B2 has {len(self.b2)} keys, capacity {cap}")
+        self._check_ghost_bounds()
         t1, t2, b1, b2 = (lst.keys() for lst in (self.t1, self.t2, self.b1, self.b2))
         for name, overlap in (
             ("T1/T2", t1 & t2),

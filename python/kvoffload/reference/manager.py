@@ -37,6 +37,7 @@ from kvoffload.errors import (
 )
 from kvoffload.reference.admission import AdmissionTracker
 from kvoffload.reference.arc import ArcPolicy
+from kvoffload.reference.arc_paper import LibCacheSimArc
 from kvoffload.reference.fifo import FifoPolicy
 from kvoffload.reference.lfu import LfuPolicy
 from kvoffload.reference.lru import LruPolicy
@@ -79,6 +80,7 @@ _BUILTIN: dict[str, type[CachePolicy]] = {
     "2q": TwoQPolicy,
     "slru": SlruPolicy,
     "lfu": LfuPolicy,
+    "arc-paper": LibCacheSimArc,
 }
 
 

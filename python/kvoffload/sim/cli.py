@@ -185,7 +185,7 @@ def _format_libcachesim(
         misses = round(run.miss_ratio * run.requests)
         verdict = "same" if ours.requests - ours.hit_chunks == misses else "differs"
         if verdict == "differs" and run.policy == "arc":
-            verdict += ": vLLM's ARC is not libCacheSim's, see docs/sim.md"
+            verdict += ": vLLM's ARC is not libCacheSim's (use arc-paper), see docs/sim.md"
         lines.append(
             f"  {run.policy} at {run.num_objects:,}: libCacheSim {run.miss_ratio:.5f}, "
             f"kvoffload {ours.miss_ratio:.5f} ({verdict}); "

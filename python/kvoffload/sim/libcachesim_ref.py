@@ -15,7 +15,7 @@ from kvoffload.sim.traces import ObjectTrace, write_object_trace
 __all__ = ["LIBCACHESIM_POLICIES", "LibCacheSimRun", "available", "run_libcachesim"]
 
 #: Our policy name -> libcachesim class name.
-LIBCACHESIM_POLICIES = {"lru": "LRU", "arc": "ARC", "LibCacheSimArc": "ARC"}
+LIBCACHESIM_POLICIES = {"lru": "LRU", "arc": "ARC", "arc-paper": "ARC", "LibCacheSimArc": "ARC"}
 
 
 @dataclass(frozen=True)

@@ -44,11 +44,13 @@ pub enum PolicyKind {
     Slru,
     /// Least frequently used, with aging.
     Lfu,
+    /// The FAST 2003 paper's ARC, as libCacheSim implements it.
+    ArcPaper,
 }
 
 impl PolicyKind {
     /// Every built-in policy, by name.
-    pub const ALL: [(&'static str, PolicyKind); 8] = [
+    pub const ALL: [(&'static str, PolicyKind); 9] = [
         ("lru", PolicyKind::Lru),
         ("arc", PolicyKind::Arc),
         ("fifo", PolicyKind::Fifo),
@@ -57,6 +59,7 @@ impl PolicyKind {
         ("2q", PolicyKind::TwoQ),
         ("slru", PolicyKind::Slru),
         ("lfu", PolicyKind::Lfu),
+        ("arc-paper", PolicyKind::ArcPaper),
     ];
 
     /// The policy called `name`, if built in.
@@ -77,6 +80,7 @@ impl PolicyKind {
             PolicyKind::TwoQ => Box::new(TwoQPolicy::new(capacity)),
             PolicyKind::Slru => Box::new(SlruPolicy::new(capacity)),
             PolicyKind::Lfu => Box::new(LfuPolicy::new()),
+            PolicyKind::ArcPaper => Box::new(ArcPolicy::paper(capacity)),
         }
     }
 

@@ -6,6 +6,16 @@
 //! entries (moves to the newest end append in O(1)), so eviction starts at the oldest evictable
 //! entry and never walks past pinned or pending ones.
 //! Ghost lists are linked hash sets, trimmed to the capacity after each successful eviction.
+//!
+//! [`ArcPolicy::paper`] is the FAST 2003 paper's ARC instead (as libCacheSim 0.3.5 implements
+//! it), which differs from vLLM's in three ways: a key requested while a ghost enters T2, not T1;
+//! REPLACE takes T1's oldest when `0 < |T1|` and (`|T1| > p`, or `|T1| == p` after a B2 ghost
+//! hit), or when T2 is empty, and T2's oldest otherwise (vLLM: T1 whenever `|T1| >= floor(p)`);
+//! and on a miss that is no ghost hit the directory is bounded first: with `|T1| + |B1| >= c`,
+//! B1's oldest ghost goes (or, B1 empty, T1's oldest chunk is evicted with no ghost), else with
+//! `|T1| + |T2| + |B1| + |B2| >= 2c` B2's oldest ghost goes (vLLM keeps every victim as a ghost
+//! and trims B1 and B2 to `c` each). The target moves the same way in both. Pinned and pending
+//! chunks are passed over, as for vLLM's.
 
 use super::order::EvictionOrder;
 use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
@@ -69,6 +79,10 @@ pub struct ArcPolicy {
     /// hashes a `KeyBuf` exactly as `hash_key` hashes its bytes).
     b1: Ghosts,
     b2: Ghosts,
+    /// The paper's ARC rather than vLLM's (see the module docs).
+    paper: bool,
+    /// Paper mode: the ghost hit of the last store miss (key, hash, in B2), until its insert.
+    ghost_key: Option<(KeyBuf, u64, bool)>,
 }
 
 impl ArcPolicy {
@@ -87,7 +101,104 @@ impl ArcPolicy {
             next_seq: 0,
             b1: LinkedHashMap::with_hasher(KeyHasher),
             b2: LinkedHashMap::with_hasher(KeyHasher),
+            paper: false,
+            ghost_key: None,
         }
+    }
+
+    /// The FAST 2003 paper's ARC (libCacheSim's) over `capacity` chunk slots.
+    #[must_use]
+    pub fn paper(capacity: u32) -> Self {
+        Self {
+            paper: true,
+            ..Self::new(capacity)
+        }
+    }
+
+    /// The oldest evictable, unprotected chunk of `l`.
+    fn oldest_candidate(
+        &mut self,
+        l: List,
+        protected: &dyn Fn(ChunkId) -> bool,
+    ) -> Option<ChunkId> {
+        let mut held = Vec::new();
+        let order = if l == List::T1 {
+            &self.t1_evictable
+        } else {
+            &self.t2_evictable
+        };
+        let found = next_victim(&mut order.iter(&mut held), protected);
+        for c in held {
+            self.evictable_map(l).remove(c);
+        }
+        found
+    }
+
+    /// Evict `c` from its list (a ghost of it in `ghost`, if any).
+    fn drop_chunk(&mut self, c: ChunkId, ghost: bool, keys: &[KeySlot], out: &mut Vec<ChunkId>) {
+        let l = self.unlink(c);
+        self.evictable[c as usize] = false;
+        if ghost {
+            let slot = &keys[c as usize];
+            let ghosts = if l == List::T1 {
+                &mut self.b1
+            } else {
+                &mut self.b2
+            };
+            ghost_push(ghosts, &slot.key, slot.hash);
+        }
+        out.push(c);
+    }
+
+    /// The paper's eviction of `n` chunks: directory bounds, then REPLACE, one chunk at a time.
+    fn evict_paper(
+        &mut self,
+        n: usize,
+        protected: &dyn Fn(ChunkId) -> bool,
+        keys: &[KeySlot],
+        out: &mut Vec<ChunkId>,
+    ) -> bool {
+        let c = self.capacity;
+        for _ in 0..n {
+            if self.ghost_key.is_none() {
+                if self.t1_len + self.b1.len() + 1 > c {
+                    if self.b1.is_empty() {
+                        if let Some(v) = self.oldest_candidate(List::T1, protected) {
+                            self.drop_chunk(v, false, keys, out);
+                            continue;
+                        }
+                    } else {
+                        self.b1.pop_front();
+                    }
+                } else if self.t1_len + self.b1.len() + self.t2_len + self.b2.len() >= 2 * c
+                    && !self.b2.is_empty()
+                {
+                    self.b2.pop_front();
+                }
+            }
+            let t1 = self.t1_len as f64;
+            // The paper compares |T1| with p exactly (p moves by whole steps or ratios; an
+            // integer-valued p equals |T1| exactly when the paper means it).
+            #[allow(clippy::float_cmp)]
+            let in_b2 = self.ghost_key.as_ref().is_some_and(|g| g.2);
+            let from_t1 = (self.t1_len > 0 && (t1 > self.target || (t1 == self.target && in_b2)))
+                || self.t2_len == 0;
+            let order = if from_t1 {
+                [List::T1, List::T2]
+            } else {
+                [List::T2, List::T1]
+            };
+            let Some(v) = order
+                .into_iter()
+                .find_map(|l| self.oldest_candidate(l, protected))
+            else {
+                // The manager asks only for evictions that can succeed; this is a guard.
+                debug_assert!(false, "arc: no victim left");
+                return false;
+            };
+            self.drop_chunk(v, true, keys, out);
+        }
+        true
     }
 
     /// The adaptive target size of T1.
@@ -185,6 +296,16 @@ impl CachePolicy for ArcPolicy {
         self.push_newest(chunk, List::T1);
         ghost_remove(&mut self.b1, key.key, key.hash);
         ghost_remove(&mut self.b2, key.key, key.hash);
+        if self
+            .ghost_key
+            .as_ref()
+            .is_some_and(|g| g.1 == key.hash && g.0.as_slice() == key.key)
+        {
+            if self.paper {
+                self.push_newest(chunk, List::T2);
+            }
+            self.ghost_key = None;
+        }
     }
 
     fn remove(&mut self, chunk: ChunkId) {
@@ -208,6 +329,22 @@ impl CachePolicy for ArcPolicy {
     }
 
     fn on_store_miss(&mut self, keys: &[Access<'_>]) {
+        if self.paper {
+            // The first of the offer's keys that is a ghost, for insert and REPLACE.
+            self.ghost_key = keys.iter().find_map(|a| {
+                let in_b1 = self
+                    .b1
+                    .raw_entry()
+                    .from_key_hashed_nocheck(a.hash, a.key)
+                    .is_some();
+                let in_b2 = self
+                    .b2
+                    .raw_entry()
+                    .from_key_hashed_nocheck(a.hash, a.key)
+                    .is_some();
+                (in_b1 || in_b2).then(|| (KeyBuf::from_slice(a.key), a.hash, in_b2))
+            });
+        }
         for a in keys.iter().rev() {
             self.ghost_hit(a.key, a.hash);
         }
@@ -241,6 +378,9 @@ impl CachePolicy for ArcPolicy {
         keys: &[KeySlot],
         out: &mut Vec<ChunkId>,
     ) -> bool {
+        if self.paper {
+            return self.evict_paper(n, protected, keys, out);
+        }
         let start = out.len();
         let mut from_t1: Vec<bool> = Vec::with_capacity(n);
         // Held (pinned) entries the scans walk past; detached once the scans end.
@@ -311,6 +451,7 @@ impl CachePolicy for ArcPolicy {
         self.b1.clear();
         self.b2.clear();
         self.target = 0.0;
+        self.ghost_key = None;
     }
 
     fn mark_evictable(&mut self, chunk: ChunkId) {
@@ -405,8 +546,10 @@ impl CachePolicy for ArcPolicy {
         );
         self.t1_evictable.validate()?;
         self.t2_evictable.validate()?;
+        // The paper bounds the directory only on misses it can evict for, which pinned chunks
+        // can prevent: its ghost lists have no fixed bound.
         ensure!(
-            self.b1.len() <= self.capacity && self.b2.len() <= self.capacity,
+            self.paper || (self.b1.len() <= self.capacity && self.b2.len() <= self.capacity),
             "arc: a ghost list is over capacity"
         );
         for ghosts in [&self.b1, &self.b2] {
