@@ -151,6 +151,8 @@ impl ArcPolicy {
     }
 
     /// The paper's eviction of `n` chunks: directory bounds, then REPLACE, one chunk at a time.
+    // The paper compares |T1| with the real-valued p exactly, and so does libCacheSim.
+    #[allow(clippy::float_cmp)]
     fn evict_paper(
         &mut self,
         n: usize,
@@ -177,9 +179,6 @@ impl ArcPolicy {
                 }
             }
             let t1 = self.t1_len as f64;
-            // The paper compares |T1| with p exactly (p moves by whole steps or ratios; an
-            // integer-valued p equals |T1| exactly when the paper means it).
-            #[allow(clippy::float_cmp)]
             let in_b2 = self.ghost_key.as_ref().is_some_and(|g| g.2);
             let from_t1 = (self.t1_len > 0 && (t1 > self.target || (t1 == self.target && in_b2)))
                 || self.t2_len == 0;
