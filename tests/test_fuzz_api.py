@@ -3,10 +3,10 @@
 A manager with every chunk state present (ready, pinned by an unfinished request, pending, an ARC
 ghost, tracker counts) gets one call with hostile arguments: wrong types, huge lists, bytes
 subclasses, keys of any length, duplicates, negative and overflowing integers, iterators that
-raise, and contexts and bytes subclasses whose `get_offload_key_position`, `__hash__` or `__eq__`
-re-enter the manager or raise `KeyboardInterrupt`. A call that raises must raise a
-`kvoffload.KVOffloadError` subclass or the exception the callback itself raised, and must change
-nothing the introspection shows (`resident`, `policy_state`, `pool_state`, `tracker_state`,
+raise, and contexts and bytes subclasses whose `get_offload_key_position`, `set_state`,
+`__hash__` or `__eq__` re-enter the manager or raise `KeyboardInterrupt`. A call that raises must
+raise a `kvoffload.KVOffloadError` subclass or the exception the callback itself raised, and must
+change nothing the introspection shows (`resident`, `policy_state`, `pool_state`, `tracker_state`,
 events, stats). A call that succeeds was legal: the invariants must hold. Either way the process
 must not crash or hang.
 
@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -86,7 +87,7 @@ class EvilKey(bytes):
 
 
 class EvilContext:
-    """A vLLM-style context whose position lookup runs a hostile callback, then returns junk."""
+    """A vLLM-style context whose `set_state` and position lookup run a hostile callback."""
 
     def __init__(self, hostile: Hostile, position: Any) -> None:
         self.hostile, self.position = hostile, position
@@ -96,6 +97,7 @@ class EvilContext:
         return self.state.get(cls)
 
     def set_state(self, val: Any) -> None:
+        self.hostile()
         self.state[type(val)] = val
 
     def get_offload_key_position(self, key: bytes) -> Any:
@@ -373,6 +375,21 @@ def test_hostile_constructor_arguments(
     if out is not None:
         m.complete_store(out.keys_to_store, ctx)
     m.check_invariants()
+
+
+@pytest.mark.parametrize("call", ["prepare_store", "prepare_load"])
+def test_interrupt_in_set_state_changes_nothing(call: str) -> None:
+    """A context whose `set_state` raises: before the fix, `prepare_store` raised after placing
+    the keys, leaving pending chunks that no caller would ever complete."""
+    hostile = Hostile("interrupt")
+    m, _ = build_world("lru", 1, hostile)
+    snapshot(m)
+    before = snapshot(m)
+    hostile.armed = True
+    keys = [make_offload_key(b"new", 0)] if call == "prepare_store" else KEYS[:1]
+    with pytest.raises(KeyboardInterrupt):
+        getattr(m, call)(keys, EvilContext(hostile, None))
+    assert snapshot(m) == before
 
 
 def test_fuzz_report() -> None:

@@ -207,6 +207,10 @@ def test_threads_share_one_host_pool() -> None:
         run_threads([lambda t=t: work(t) for t in range(THREADS)])
         if errors:
             raise errors[0]
+        print(
+            f"\nhost pool: {THREADS} threads, {sum(rounds.values())} rounds "
+            "(2 jobs, a gather, a scatter)"
+        )
         finished = pool.get_finished()
         assert all(ok for _, ok in finished)
         assert len(finished) == 2 * sum(rounds.values())
