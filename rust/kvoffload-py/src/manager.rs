@@ -362,6 +362,10 @@ impl ManagerCore {
         let ctx = Context::new(ctx)?;
         let positions = self.positions(&ctx, &keys)?;
         let (state, fresh) = self.request_state(py, &ctx)?;
+        // Installed first: a context's `set_state` may raise, and must do so before any change.
+        if fresh {
+            ctx.set_state(state.as_any())?;
+        }
         let slices = keys.slices();
         let chunks = self
             .with_state(state.get(), |m, s| {
@@ -369,9 +373,6 @@ impl ManagerCore {
             })
             .map_err(|Poisoned| poisoned(py))?
             .map_err(|e| to_py(py, e))?;
-        if fresh {
-            ctx.set_state(state.as_any())?;
-        }
         spec(py, self.types(py)?, &chunks)
     }
 
@@ -402,6 +403,11 @@ impl ManagerCore {
         let ctx = Context::new(ctx)?;
         let positions = self.positions(&ctx, &keys)?;
         let (state, fresh) = self.request_state(py, &ctx)?;
+        // Installed first: a context's `set_state` may raise, and must do so before any change
+        // (after it, the caller would never see the keys to store: pending chunks stranded).
+        if fresh {
+            ctx.set_state(state.as_any())?;
+        }
         let slices = keys.slices();
         let (outcome, evicted_objs) = self
             .with_state(state.get(), |m, s| {
@@ -417,9 +423,6 @@ impl ManagerCore {
             })
             .map_err(|Poisoned| poisoned(py))?;
         let outcome = outcome.map_err(|e| to_py(py, e))?;
-        if fresh {
-            ctx.set_state(state.as_any())?;
-        }
         let Some(out) = outcome else { return Ok(None) };
         let to_store = PyList::new(py, out.to_store.iter().map(|&i| &keys.objs[i]))?;
         // The stored objects of the victims; a fresh `bytes` only if one is missing.
