@@ -34,14 +34,14 @@ MODES: dict[str, dict[str, list[str]]] = {
             *("--sizes", "1000,10000,100000,1000000,10000000", "--python-max", "100000"),
             *("--memory-chunks", "200000", "--repeat", "3", "--batches", "1,4,32,256,1024"),
         ],
-        "step": ["--requests", "500", "--repeat", "1"],
-        "bench": ["--requests", "500", "--repeat", "1"],
+        "step": ["--requests", "2000", "--repeat", "3"],
+        "bench": ["--requests", "2000", "--repeat", "3"],
     },
     "full": {
         "report": ["--sizes", "1000,100000,1000000", "--repeat", "7"],
         "scaling": ["--python-max", "1000000", "--memory-chunks", "1000000", "--repeat", "5"],
-        "step": ["--requests", "2000", "--repeat", "3"],
-        "bench": ["--requests", "2000", "--repeat", "3"],
+        "step": ["--requests", "5000", "--repeat", "3"],
+        "bench": ["--requests", "5000", "--repeat", "3"],
     },
 }
 
