@@ -44,6 +44,7 @@ IMPLS = (*IMPLEMENTATIONS, VLLM)  # ("reference", "rust", "vllm")
 OPERATIONS = ("store_evict", "load_complete", "lookup", "lookup_prefix", "touch")
 ROUNDS_PER_REQUEST = 8
 FILL_BATCH = 8192
+KEY_PIECE = 1 << 22
 SPARE_KEYS = 32_768  # absent keys kept for stores; enough for 1024 rounds prepared at once
 
 LABELS = {
@@ -87,8 +88,11 @@ def manager_and_context(impl: str) -> tuple[type, type]:
 
 def make_keys(n: int, seed: int) -> list[bytes]:
     """``n`` distinct keys: 32 pseudo-random hash bytes + KV group 0, like a real engine's."""
-    blob = random.Random(seed).randbytes(32 * n)
-    keys = [make_offload_key(blob[i : i + 32], 0) for i in range(0, 32 * n, 32)]
+    rng, keys = random.Random(seed), []
+    for lo in range(0, n, KEY_PIECE):  # randbytes takes at most 2**31 bits at once
+        count = min(KEY_PIECE, n - lo)
+        blob = rng.randbytes(32 * count)
+        keys += [make_offload_key(blob[i : i + 32], 0) for i in range(0, 32 * count, 32)]
     if len(set(keys)) != n:  # 2**-200 odds; cheap to rule out
         raise RuntimeError("duplicate benchmark keys")
     return keys
