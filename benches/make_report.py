@@ -82,9 +82,17 @@ def measure(mode: str, out: Path) -> None:
         "cpus": _cpus(),
         "seconds": seconds,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commands": {name: [*cmd[1:], *opts[name]] for name, cmd in jobs.items()},
+        "commands": {
+            name: ["python", *(_relative(part) for part in cmd[1:]), *opts[name]]
+            for name, cmd in jobs.items()
+        },
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _relative(part: str) -> str:
+    """A path argument relative to the repository (commands as one would type them)."""
+    return part.replace(f"{ROOT}/", "") if part.startswith(str(ROOT)) else part
 
 
 def _cpus() -> str:
