@@ -41,7 +41,7 @@ def test_ffi(
 ) -> None:
     reason = unavailable(impl, policy)
     if reason is not None:
-        pytest.skip(f"{impl} is not importable: {reason}")
+        pytest.skip(f"{impl}/{policy}: {reason}")
     cache = registry.get(impl, policy, chunks)
     benchmark.group = f"{op} {policy} {chunks:,} chunks (per {KEYS_PER_OP} keys)"
     benchmark.extra_info.update(
