@@ -13,15 +13,23 @@ Operations (one round each):
 
 A request context serves ``ROUNDS_PER_REQUEST`` rounds, as a request offers a few batches over
 its life; absent keys are recycled first-in first-out, so a context never sees a key twice.
+
+Implementations: ``rust`` (kvoffload), ``reference`` (kvoffload's pure Python) and ``vllm``
+(vLLM 0.33.0's own ``CPUOffloadingManager``, from ``tools/vllm_oracle.py``, with vLLM's own
+``ReqContext``; lru and arc only, and only where ``tools/fetch_vllm.py`` has cached its files).
+vLLM has no ``lookup_prefix``: its ``lookup_prefix`` case is what its connector does instead,
+one ``lookup`` per key until the first miss (all 32 hit here).
 """
 
 from __future__ import annotations
 
 import gc
 import random
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvoffload import ReqContext, make_offload_key
@@ -29,11 +37,14 @@ from kvoffload.bench import IMPLEMENTATIONS, load_implementation
 
 KEYS_PER_OP = 32
 SIZES = (1_000, 100_000, 1_000_000)
-POLICIES = ("lru", "arc")
-IMPLS = tuple(IMPLEMENTATIONS)  # ("reference", "rust")
+POLICIES = ("lru", "arc", "fifo", "sieve", "s3fifo", "2q", "slru")
+VLLM = "vllm"
+VLLM_POLICIES = ("lru", "arc")  # vLLM 0.33.0's built-in policies
+IMPLS = (*IMPLEMENTATIONS, VLLM)  # ("reference", "rust", "vllm")
 OPERATIONS = ("store_evict", "load_complete", "lookup", "lookup_prefix", "touch")
 ROUNDS_PER_REQUEST = 8
 FILL_BATCH = 8192
+KEY_PIECE = 1 << 22
 SPARE_KEYS = 32_768  # absent keys kept for stores; enough for 1024 rounds prepared at once
 
 LABELS = {
@@ -45,8 +56,21 @@ LABELS = {
 }
 
 
-def unavailable(impl: str) -> str | None:
-    """Why ``impl`` cannot be loaded, or None when it can."""
+def _vllm_oracle() -> Any:
+    tools = str(Path(__file__).resolve().parent.parent / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    import vllm_oracle
+
+    return vllm_oracle
+
+
+def unavailable(impl: str, policy: str | None = None) -> str | None:
+    """Why ``impl`` (under ``policy``, when given) cannot be loaded, or None when it can."""
+    if impl == VLLM:
+        if policy is not None and policy not in VLLM_POLICIES:
+            return f"vLLM 0.33.0 has no {policy!r} policy"
+        return _vllm_oracle().unavailable_reason()
     try:
         load_implementation(impl)
     except Exception as exc:  # an extension that is not built yet, typically
@@ -54,10 +78,21 @@ def unavailable(impl: str) -> str | None:
     return None
 
 
+def manager_and_context(impl: str) -> tuple[type, type]:
+    """The manager class of ``impl`` and the ``ReqContext`` class it reads."""
+    if impl == VLLM:
+        oracle = _vllm_oracle().load()
+        return oracle.CPUOffloadingManager, oracle.ReqContext
+    return load_implementation(impl), ReqContext
+
+
 def make_keys(n: int, seed: int) -> list[bytes]:
     """``n`` distinct keys: 32 pseudo-random hash bytes + KV group 0, like a real engine's."""
-    blob = random.Random(seed).randbytes(32 * n)
-    keys = [make_offload_key(blob[i : i + 32], 0) for i in range(0, 32 * n, 32)]
+    rng, keys = random.Random(seed), []
+    for lo in range(0, n, KEY_PIECE):  # randbytes takes at most 2**31 bits at once
+        count = min(KEY_PIECE, n - lo)
+        blob = rng.randbytes(32 * count)
+        keys += [make_offload_key(blob[i : i + 32], 0) for i in range(0, 32 * count, 32)]
     if len(set(keys)) != n:  # 2**-200 odds; cheap to rule out
         raise RuntimeError("duplicate benchmark keys")
     return keys
@@ -66,30 +101,40 @@ def make_keys(n: int, seed: int) -> list[bytes]:
 class FilledCache:
     """A manager filled to capacity with ready chunks, and which keys are resident or absent."""
 
-    def __init__(self, impl: str, policy: str, num_chunks: int, seed: int = 0) -> None:
-        self.impl, self.policy, self.num_chunks = impl, policy, num_chunks
-        cls = load_implementation(impl)
+    def __init__(
+        self,
+        impl: str,
+        policy: str,
+        num_chunks: int,
+        seed: int = 0,
+        batch: int = KEYS_PER_OP,
+        keys: list[bytes] | None = None,
+    ) -> None:
+        self.impl, self.policy, self.num_chunks, self.batch = impl, policy, num_chunks, batch
+        cls, self.context_cls = manager_and_context(impl)
         self.manager: Any = cls(num_chunks, cache_policy=policy)
-        keys = make_keys(num_chunks + SPARE_KEYS, seed)
+        if keys is None:
+            keys = make_keys(num_chunks + SPARE_KEYS, seed)
         started = time.perf_counter()
         for lo in range(0, num_chunks, FILL_BATCH):
-            batch = keys[lo : min(lo + FILL_BATCH, num_chunks)]
-            ctx = ReqContext(f"fill-{lo}")
-            out = self.manager.prepare_store(batch, ctx)
-            if out is None or len(out.keys_to_store) != len(batch):
+            batch_keys = keys[lo : min(lo + FILL_BATCH, num_chunks)]
+            ctx = self.context_cls(f"fill-{lo}")
+            out = self.manager.prepare_store(batch_keys, ctx)
+            if out is None or len(out.keys_to_store) != len(batch_keys):
                 raise RuntimeError(f"{impl}/{policy}: fill of {num_chunks} chunks refused")
-            self.manager.complete_store(batch, ctx)
+            self.manager.complete_store(batch_keys, ctx)
         self.fill_s = time.perf_counter() - started
         self.resident: dict[bytes, None] = dict.fromkeys(keys[:num_chunks])
         self.absent: deque[bytes] = deque(keys[num_chunks:])
         self._resident_list: list[bytes] | None = None
         self._rng = random.Random(seed + 1)
         self._round = 0
-        self._ctx = ReqContext("bench-0")
+        self._ctx: Any = self.context_cls("bench-0")
         self._outputs: list[Any] = []
+        self._pins: list[tuple[list[bytes], Any]] = []
         m = self.manager
         ps, cs, pl, cl = m.prepare_store, m.complete_store, m.prepare_load, m.complete_load
-        lk, lp, tc = m.lookup, m.lookup_prefix, m.touch
+        lk, tc = m.lookup, m.touch
         outputs = self._outputs
 
         def store_evict(keys: list[bytes], ctx: ReqContext) -> None:
@@ -105,8 +150,19 @@ class FilledCache:
             for key in keys:
                 lk(key, ctx)
 
-        def lookup_prefix(keys: list[bytes], ctx: ReqContext) -> None:
-            lp(keys, ctx)
+        if hasattr(m, "lookup_prefix"):
+            lp = m.lookup_prefix
+
+            def lookup_prefix(keys: list[bytes], ctx: ReqContext) -> None:
+                lp(keys, ctx)
+
+        else:  # vLLM: its connector looks keys up one by one until the first non-HIT
+            hit = _vllm_oracle().load().base.LookupResult.HIT
+
+            def lookup_prefix(keys: list[bytes], ctx: ReqContext) -> None:
+                for key in keys:
+                    if lk(key, ctx) is not hit:
+                        break
 
         def touch(keys: list[bytes], ctx: ReqContext) -> None:
             tc(keys, ctx)
@@ -119,28 +175,44 @@ class FilledCache:
             "touch": touch,
         }
 
-    def _context(self) -> ReqContext:
+    def pin(self, fraction: float, seed: int = 2) -> int:
+        """Pin ``fraction`` of the resident chunks, picked at random (``prepare_load``, never
+        completed), so eviction has to pass them by; return how many are pinned (untimed)."""
+        self.settle()
+        count = round(fraction * len(self.resident))
+        picked = random.Random(seed).sample(list(self.resident), count)
+        for lo in range(0, count, FILL_BATCH):
+            keys = picked[lo : lo + FILL_BATCH]
+            ctx = self.context_cls(f"pin-{lo}")
+            self.manager.prepare_load(keys, ctx)
+            self._pins.append((keys, ctx))
+        for key in picked:  # pinned chunks are neither evicted nor used by the cases
+            del self.resident[key]
+        self._resident_list = None
+        return count
+
+    def _context(self) -> Any:
         if self._round % ROUNDS_PER_REQUEST == 0:
-            self._ctx = ReqContext(f"bench-{self._round}")
+            self._ctx = self.context_cls(f"bench-{self._round}")
         self._round += 1
         return self._ctx
 
     def _resident_window(self) -> list[bytes]:
-        """32 resident keys adjacent in store order (a request's prefix), anywhere in the pool."""
+        """``batch`` resident keys adjacent in store order (a request's prefix), anywhere."""
         if self._resident_list is None:
             self._resident_list = list(self.resident)
         keys = self._resident_list
-        start = self._rng.randrange(len(keys) - KEYS_PER_OP + 1)
-        return keys[start : start + KEYS_PER_OP]
+        start = self._rng.randrange(len(keys) - self.batch + 1)
+        return keys[start : start + self.batch]
 
     def prepare(self, op: str, rounds: int) -> list[tuple[list[bytes], ReqContext]]:
         """The arguments of ``rounds`` rounds of ``op`` (untimed)."""
         self.settle()
         if op == "store_evict":
-            if len(self.absent) < rounds * KEYS_PER_OP:
-                raise ValueError(f"at most {len(self.absent) // KEYS_PER_OP} rounds at once")
+            if len(self.absent) < rounds * self.batch:
+                raise ValueError(f"at most {len(self.absent) // self.batch} rounds at once")
             pop = self.absent.popleft
-            return [([pop() for _ in range(KEYS_PER_OP)], self._context()) for _ in range(rounds)]
+            return [([pop() for _ in range(self.batch)], self._context()) for _ in range(rounds)]
         if op not in self.targets:
             raise ValueError(f"unknown operation {op!r}")
         return [(self._resident_window(), self._context()) for _ in range(rounds)]
@@ -150,9 +222,9 @@ class FilledCache:
         if not self._outputs:
             return
         for out in self._outputs:
-            if len(out.keys_to_store) != KEYS_PER_OP or len(out.evicted_keys) != KEYS_PER_OP:
+            if len(out.keys_to_store) != self.batch or len(out.evicted_keys) != self.batch:
                 raise RuntimeError(
-                    f"{self.impl}/{self.policy}: a store of {KEYS_PER_OP} keys into a full pool "
+                    f"{self.impl}/{self.policy}: a store of {self.batch} keys into a full pool "
                     f"stored {len(out.keys_to_store)} and evicted {len(out.evicted_keys)}"
                 )
             for key in out.evicted_keys:
@@ -188,7 +260,8 @@ def time_op(cache: FilledCache, op: str, *, repeat: int, min_time_s: float = 0.0
     """
     target = cache.targets[op]
     clock = time.perf_counter_ns
-    cap = len(cache.absent) // KEYS_PER_OP - ROUNDS_PER_REQUEST if op == "store_evict" else 20_000
+    batch = cache.batch
+    cap = len(cache.absent) // batch - ROUNDS_PER_REQUEST if op == "store_evict" else 20_000
     number = 1
     while True:
         elapsed = _run(cache, target, op, number, clock)
@@ -197,7 +270,7 @@ def time_op(cache: FilledCache, op: str, *, repeat: int, min_time_s: float = 0.0
         number = min(cap, number * 4)
     best: float | None = None
     for _ in range(repeat):
-        per_key = _run(cache, target, op, number, clock) / (number * KEYS_PER_OP)
+        per_key = _run(cache, target, op, number, clock) / (number * batch)
         best = per_key if best is None else min(best, per_key)
     assert best is not None
     return best

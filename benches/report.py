@@ -3,10 +3,12 @@
 Runs the same cases as ``test_bench_ffi.py`` (see ``cases.py``) timeit-style: each operation is
 timed as a run of rounds (at least ~20 ms, GC paused) and the minimum over ``--repeat`` runs is
 kept. Rows: operation x pool size; columns: ns/key per implementation and the speed-up over the
-reference. Then, per implementation, how its per-key cost grows from the smallest to the largest
-pool (1.0x means flat).
+reference and over vLLM 0.33.0's own manager (lru and arc only; its ``lookup_prefix`` row is 32
+single lookups, see ``cases.py``). Then, per implementation, how its per-key cost grows from the
+smallest to the largest pool (1.0x means flat).
 
     python benches/report.py                       # lru, 10^3 / 10^5 / 10^6 chunks
+    python benches/report.py --policies lru,arc,fifo,sieve,s3fifo,2q,slru --sizes 100000
     python benches/report.py --policies lru,arc --sizes 1000,100000 --json out.json
 """
 
@@ -19,9 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from cases import IMPLS, LABELS, OPERATIONS, SIZES, CacheRegistry, time_op, unavailable
+from cases import IMPLS, LABELS, OPERATIONS, SIZES, VLLM, CacheRegistry, time_op, unavailable
 
 BASELINE = "reference"
+SUBJECT = "rust"
+#: What each speed-up column compares: kvoffload's Rust manager against each of these.
+BASELINES = (BASELINE, VLLM)
 
 
 def _ints(text: str) -> list[int]:
@@ -61,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         per_op = results.setdefault(policy, {op: {} for op in args.ops})
         for size in args.sizes:
             for impl in impls:
+                reason = unavailable(impl, policy)
+                if reason is not None:
+                    if impl != VLLM or policy in ("lru", "arc"):
+                        print(f"report: skipping {impl}/{policy} ({reason})", file=sys.stderr)
+                    continue
                 started = time.perf_counter()
                 cache = registry.get(impl, policy, size)
                 fills[f"{policy}/{size}/{impl}"] = cache.fill_s
@@ -95,13 +105,13 @@ def _markdown(
     impls: list[str],
     args: argparse.Namespace,
 ) -> str:
-    others = [i for i in impls if i != BASELINE]
-    has_base = BASELINE in impls
     lines: list[str] = []
     for policy, per_op in results.items():
-        header = ["operation (32 keys)", "chunks", *(f"{i} ns/key" for i in impls)]
-        if has_base:
-            header += [f"{i} speed-up" for i in others]
+        present = {i for sizes in per_op.values() for by_impl in sizes.values() for i in by_impl}
+        shown = [i for i in impls if i in present]
+        bases = [b for b in BASELINES if b in present and SUBJECT in present]
+        header = ["operation (32 keys)", "chunks", *(f"{i} ns/key" for i in shown)]
+        header += [f"{SUBJECT} vs {b}" for b in bases]
         lines += [
             f"**{policy}** policy, ns per key (min of {args.repeat} runs)",
             "",
@@ -110,16 +120,21 @@ def _markdown(
         ]
         for op, sizes in per_op.items():
             for size, by_impl in sizes.items():
-                cells = [LABELS[op], f"{size:,}", *(f"{by_impl[i]:,.1f}" for i in impls)]
-                if has_base:
-                    cells += [f"{by_impl[BASELINE] / by_impl[i]:,.1f}x" for i in others]
+                cells = [LABELS[op], f"{size:,}", *(f"{by_impl[i]:,.1f}" for i in shown)]
+                cells += [f"{by_impl[b] / by_impl[SUBJECT]:,.1f}x" for b in bases]
                 lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        if VLLM in shown:
+            lines += [
+                f"{VLLM} has no `lookup_prefix`: its row is 32 single `lookup`s, as its connector "
+                "does.",
+                "",
+            ]
         small, large = min(args.sizes), max(args.sizes)
         if small != large:
             lines.append(f"Per-key cost at {large:,} vs {small:,} chunks ({policy}):")
             lines.append("")
-            for impl in impls:
+            for impl in shown:
                 ratios = ", ".join(
                     f"{op} {sizes[large][impl] / sizes[small][impl]:.2f}x"
                     for op, sizes in per_op.items()

@@ -4,6 +4,12 @@ Both run the same seeded workload (``kvoffload.workload``) in the same process, 
 the table gives the hit rate and the manager's nanoseconds per key for each call kind, and the
 speed-up of every implementation over the reference. Behaviour is exact, so every implementation
 must get the same answers (same digest): if one does not, the bench says so loudly and fails.
+
+``vllm`` (vLLM 0.33.0's own manager, lru and arc) joins the table when its files are available:
+an installed ``vllm``, or, in a source checkout, the sources ``tools/fetch_vllm.py`` caches
+(loaded by ``tools/vllm_oracle.py``). vLLM has no ``lookup_prefix``, so it runs only with
+``--lookup single`` (one ``lookup`` per key, as its connector does); then the table adds the
+speed-up of the Rust manager over vLLM's.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import json
 import platform
 import sys
@@ -40,6 +47,9 @@ IMPLEMENTATIONS: dict[str, str] = {
 }
 BASELINE = "reference"
 POLICIES: tuple[str, ...] = ("lru", "arc")
+#: vLLM 0.33.0's own manager: the name, and the policies it has built in.
+VLLM = "vllm"
+VLLM_POLICIES: tuple[str, ...] = ("lru", "arc")
 
 #: The call kinds shown in the table (``events`` only when ``--events`` is on).
 TABLE_KINDS: tuple[str, ...] = tuple(k for k in CALL_KINDS if k != "events")
@@ -58,8 +68,44 @@ class BenchRun:
         return {"policy": self.policy, "impl": self.impl, **self.result.to_json()}
 
 
+@dataclass(frozen=True)
+class VllmManager:
+    """vLLM 0.33.0's manager class and the types it answers and reads."""
+
+    cls: type
+    lookup_result: Any
+    context_cls: type
+
+
+def load_vllm() -> VllmManager:
+    """Load vLLM 0.33.0's manager: an installed ``vllm``, else the checkout's oracle loader."""
+    try:
+        base = importlib.import_module("vllm.v1.kv_offload.base")
+        manager = importlib.import_module("vllm.v1.kv_offload.cpu.manager")
+        return VllmManager(manager.CPUOffloadingManager, base.LookupResult, base.ReqContext)
+    except ImportError:
+        pass
+    tools = Path(__file__).resolve().parent.parent.parent / "tools" / "vllm_oracle.py"
+    if not tools.is_file():
+        raise ImportError("vllm is not installed and this is not a source checkout")
+    spec = importlib.util.spec_from_file_location("vllm_oracle", tools)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {tools}")
+    oracle_module = sys.modules.get("vllm_oracle") or importlib.util.module_from_spec(spec)
+    if "vllm_oracle" not in sys.modules:
+        sys.modules["vllm_oracle"] = oracle_module
+        spec.loader.exec_module(oracle_module)
+    reason = oracle_module.unavailable_reason()
+    if reason is not None:
+        raise ImportError(reason)
+    oracle = oracle_module.load()
+    return VllmManager(oracle.CPUOffloadingManager, oracle.base.LookupResult, oracle.ReqContext)
+
+
 def load_implementation(name: str) -> type:
     """Import the manager class named ``name`` (a key of IMPLEMENTATIONS or "module:attr")."""
+    if name == VLLM:
+        return load_vllm().cls
     target = IMPLEMENTATIONS.get(name, name)
     module_name, sep, attr = target.partition(":")
     if not sep:
@@ -103,8 +149,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--impls",
         type=_csv,
-        default=list(IMPLEMENTATIONS),
-        help="comma-separated names or module:Class (reference,rust)",
+        default=[*IMPLEMENTATIONS, VLLM],
+        help="comma-separated names or module:Class (reference,rust,vllm; vllm when available)",
     )
     parser.add_argument(
         "--repeat", type=int, default=1, help="replays per implementation; the fastest is kept (1)"
@@ -137,6 +183,12 @@ def run(args: argparse.Namespace) -> int:
     )
     classes: dict[str, type] = {}
     for name in args.impls:
+        if name == VLLM and args.lookup != "single":
+            print(
+                "kvoffload bench: vllm has no lookup_prefix: add --lookup single to compare it",
+                file=sys.stderr,
+            )
+            continue
         try:
             classes[name] = load_implementation(name)
         except Exception as exc:  # any import failure only skips that implementation
@@ -181,9 +233,15 @@ def _run_all(
     """Replay every (policy, implementation), ``args.repeat`` times each, interleaved."""
     best: dict[tuple[str, str], ReplayResult] = {}
     tqdm = _tqdm_class()
+    types: dict[str, Any] = {}
+    if VLLM in classes:
+        vllm = load_vllm()
+        types = {"lookup_result": vllm.lookup_result, "context_cls": vllm.context_cls}
     for policy in args.policies:
         for _ in range(args.repeat):
             for name, cls in classes.items():
+                if name == VLLM and policy not in VLLM_POLICIES:
+                    continue
                 manager = cls(args.chunks, cache_policy=policy, enable_events=args.events)
                 with tqdm(
                     total=len(workload.requests),
@@ -194,7 +252,11 @@ def _run_all(
                     leave=False,
                 ) as bar:
                     result = replay(
-                        manager, workload, drain_events=args.events, progress=bar.update
+                        manager,
+                        workload,
+                        drain_events=args.events,
+                        progress=bar.update,
+                        **(types if name == VLLM else {}),
                     )
                 del manager
                 previous = best.get((policy, name))
@@ -237,13 +299,15 @@ def _divergence_report(policy: str, runs: list[BenchRun]) -> str:
     return "\n".join(lines)
 
 
-def _speedups(runs: list[BenchRun]) -> dict[str, dict[str, dict[str, float | None]]]:
-    """``{policy: {impl: {kind or "total": reference time / impl time}}}``."""
+def _speedups(
+    runs: list[BenchRun], baseline: str = BASELINE
+) -> dict[str, dict[str, dict[str, float | None]]]:
+    """``{policy: {impl: {kind or "total": baseline's time / impl's time}}}``."""
     out: dict[str, dict[str, dict[str, float | None]]] = {}
-    base = {r.policy: r.result for r in runs if r.impl == BASELINE}
+    base = {r.policy: r.result for r in runs if r.impl == baseline}
     for r in runs:
         ref = base.get(r.policy)
-        if r.impl == BASELINE or ref is None:
+        if r.impl in (BASELINE, VLLM) or ref is None:
             continue
         ratios: dict[str, float | None] = {}
         for kind in CALL_KINDS:
@@ -272,6 +336,7 @@ def format_table(runs: list[BenchRun], *, events: bool = False) -> str:
     header = ["policy", "impl", "hit rate", *kinds, "total"]
     rows: list[list[str]] = []
     speedups = _speedups(runs)
+    over_vllm = _speedups(runs, VLLM)
     for policy in dict.fromkeys(r.policy for r in runs):
         for r in (r for r in runs if r.policy == policy):
             res = r.result
@@ -289,6 +354,16 @@ def format_table(runs: list[BenchRun], *, events: bool = False) -> str:
                 [
                     policy,
                     f"{impl} speed-up",
+                    "",
+                    *(_ratio(ratios[k]) for k in kinds),
+                    _ratio(ratios["total"]),
+                ]
+            )
+        for impl, ratios in over_vllm.get(policy, {}).items():
+            rows.append(
+                [
+                    policy,
+                    f"{impl} vs vllm",
                     "",
                     *(_ratio(ratios[k]) for k in kinds),
                     _ratio(ratios["total"]),
@@ -338,6 +413,7 @@ def _write_json(
         "repeat": args.repeat,
         "runs": [r.to_json() for r in runs],
         "speedups": speedups,
+        "speedups_over_vllm": _speedups(runs, VLLM),
         "identical": identical,
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")

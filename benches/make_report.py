@@ -1,0 +1,140 @@
+"""Regenerate docs/performance.md and its plots (docs/perf-*.png) from one run of every benchmark.
+
+Runs, each in its own process and all in this one invocation (so the ratios are side by side):
+``report.py`` (FFI cases, every policy), ``scaling.py`` (size, pins, batch, memory),
+``vllm_step.py`` (scheduler-trace replay against vLLM 0.33.0's manager) and ``kvoffload bench``
+(the same replay against the reference, every policy); then writes the markdown and the PNGs.
+
+    python benches/make_report.py --quick     # a few minutes: smaller pools and fewer repeats
+    python benches/make_report.py --full      # the published figures: 10^7 chunks and more repeats
+    python benches/make_report.py --from DIR  # re-render from the JSON of an earlier run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from render import render
+
+BENCHES = Path(__file__).resolve().parent
+ROOT = BENCHES.parent
+ALL_POLICIES = "lru,arc,fifo,sieve,s3fifo,2q,slru"
+
+MODES: dict[str, dict[str, list[str]]] = {
+    "quick": {
+        "report": ["--sizes", "100000", "--repeat", "3"],
+        "scaling": [
+            *("--sizes", "1000,10000,100000,1000000,10000000", "--python-max", "100000"),
+            *("--memory-chunks", "200000", "--repeat", "3", "--batches", "1,4,32,256,1024"),
+        ],
+        "step": ["--requests", "2000", "--repeat", "3"],
+        "bench": ["--requests", "2000", "--repeat", "3"],
+    },
+    "full": {
+        "report": ["--sizes", "1000,100000,1000000", "--repeat", "7"],
+        "scaling": ["--python-max", "1000000", "--memory-chunks", "1000000", "--repeat", "5"],
+        "step": ["--requests", "5000", "--repeat", "3"],
+        "bench": ["--requests", "5000", "--repeat", "3"],
+    },
+}
+
+
+def _run(name: str, cmd: list[str], log: Path) -> float:
+    print(f"make_report: {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    with log.open("w") as out:
+        done = subprocess.run(cmd, cwd=BENCHES, stdout=out, stderr=subprocess.STDOUT, check=False)
+    seconds = time.perf_counter() - started
+    print(f"make_report: {name}: exit {done.returncode} in {seconds:.0f} s", file=sys.stderr)
+    if done.returncode not in (0, 2):  # 2: vLLM's files are not available (vllm_step.py)
+        raise SystemExit(f"make_report: {name} failed; see {log}")
+    return seconds
+
+
+def measure(mode: str, out: Path) -> None:
+    """Run every benchmark of ``mode`` and leave its JSON (and logs) in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    opts = MODES[mode]
+    seconds: dict[str, float] = {}
+    jobs = {
+        "report": [py, "report.py", "--policies", ALL_POLICIES, "--json", str(out / "ffi.json")],
+        "scaling": [py, "scaling.py", "--json", str(out / "scaling.json")],
+        "step": [py, "vllm_step.py", "--json", str(out / "step.json")],
+        "bench": [
+            *(py, "-m", "kvoffload.bench", "--policies", ALL_POLICIES, "--no-progress"),
+            *("--impls", "reference,rust", "--json", str(out / "bench.json")),
+        ],
+    }
+    for name, cmd in jobs.items():
+        seconds[name] = _run(name, [*cmd, *opts[name]], out / f"{name}.log")
+    meta = {
+        "mode": mode,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": _cpus(),
+        "seconds": seconds,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commands": {
+            name: ["python", *(_relative(part) for part in cmd[1:]), *opts[name]]
+            for name, cmd in jobs.items()
+        },
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _relative(part: str) -> str:
+    """A path argument relative to the repository (commands as one would type them)."""
+    return part.replace(f"{ROOT}/", "") if part.startswith(str(ROOT)) else part
+
+
+def _cpus() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def load(out: Path) -> dict[str, Any]:
+    """The JSON documents of a run, by name (a missing one is absent)."""
+    docs: dict[str, Any] = {}
+    for name in ("meta", "ffi", "scaling", "step", "bench"):
+        path = out / f"{name}.json"
+        if path.is_file():
+            docs[name] = json.loads(path.read_text())
+    return docs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure (or re-read) and write docs/performance.md with its plots."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quick", action="store_const", dest="mode", const="quick")
+    group.add_argument("--full", action="store_const", dest="mode", const="full")
+    group.add_argument("--from", dest="source", type=Path, help="render an earlier run's JSON")
+    parser.add_argument("--out", type=Path, default=ROOT / "target" / "perf-report")
+    parser.add_argument("--docs", type=Path, default=ROOT / "docs")
+    args = parser.parse_args(argv)
+    source = args.source
+    if source is None:
+        source = args.out
+        measure(args.mode or "quick", source)
+    docs = load(source)
+    markdown = render(docs, args.docs)
+    (args.docs / "performance.md").write_text(markdown)
+    print(f"make_report: wrote {args.docs / 'performance.md'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Scaling and memory of the manager: kvoffload (Rust), the reference and vLLM 0.33.0 side by side.
+
+Four measurements, each with the cases of ``cases.py`` (timeit-style, min of ``--repeat`` runs,
+GC paused) and written as one JSON document:
+
+- ``sizes``: ns per key of every operation (32-key batches) against the pool size; the Python
+  implementations only up to ``--python-max`` chunks (their fill alone takes ~10 µs a key);
+- ``pinned``: store with eviction against the fraction of chunks pinned (``prepare_load`` never
+  completed, picked at random), at ``--chunks``;
+- ``batch``: ns per key of store, load and ``lookup_prefix`` against the keys per call;
+- ``memory``: bytes per resident chunk, in a fresh subprocess per implementation: the RSS delta of
+  filling ``--memory-chunks`` chunks (keys made beforehand, so the key objects are not counted)
+  and, in a second subprocess, what ``tracemalloc`` sees of the same fill (Python allocations
+  only: for kvoffload that is the Python objects it makes, not its Rust state).
+
+    python benches/scaling.py --json scaling.json                 # everything, quick sizes
+    python benches/scaling.py --only sizes --sizes 1000,10000000 --python-max 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cases import (
+    FILL_BATCH,
+    IMPLS,
+    OPERATIONS,
+    SPARE_KEYS,
+    FilledCache,
+    make_keys,
+    manager_and_context,
+    time_op,
+    unavailable,
+)
+
+PARTS = ("sizes", "pinned", "batch", "memory")
+PINNED_FRACTIONS = (0.0, 0.5, 0.9, 0.99)
+BATCHES = (1, 4, 16, 32, 128, 512, 1024)
+BATCH_OPS = ("store_evict", "load_complete", "lookup_prefix")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(float(part)) for part in text.split(",") if part.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(part) for part in text.split(",") if part.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _log(text: str) -> None:
+    print(f"scaling: {text}", file=sys.stderr, flush=True)
+
+
+def _impls(names: list[str], policy: str) -> list[str]:
+    return [impl for impl in names if unavailable(impl, policy) is None]
+
+
+def measure_sizes(args: argparse.Namespace) -> dict[str, Any]:
+    """``{policy: {size: {impl: {op: ns/key}}}}`` and which sizes each implementation skipped."""
+    out: dict[str, Any] = {}
+    skipped: dict[str, list[int]] = {}
+    for policy in args.policies:
+        per_size: dict[str, Any] = {}
+        for size in args.sizes:
+            keys = make_keys(size + SPARE_KEYS, seed=size)
+            for impl in _impls(args.impls, policy):
+                if impl != "rust" and size > args.python_max:
+                    skipped.setdefault(impl, []).append(size)
+                    continue
+                started = time.perf_counter()
+                cache = FilledCache(impl, policy, size, keys=keys)
+                row = {op: time_op(cache, op, repeat=args.repeat) for op in OPERATIONS}
+                per_size.setdefault(str(size), {})[impl] = row
+                _log(f"sizes {policy} {size:>10,} {impl:<9} {time.perf_counter() - started:6.1f} s")
+                del cache
+                gc.collect()
+            del keys
+        out[policy] = per_size
+    return {"ns_per_key": out, "skipped": {k: sorted(set(v)) for k, v in skipped.items()}}
+
+
+def measure_pinned(args: argparse.Namespace) -> dict[str, Any]:
+    """``{policy: {fraction: {impl: store_evict ns/key}}}`` at ``args.chunks``."""
+    out: dict[str, Any] = {}
+    keys = make_keys(args.chunks + SPARE_KEYS, seed=1)
+    for policy in args.policies:
+        for fraction in args.fractions:
+            for impl in _impls(args.impls, policy):
+                cache = FilledCache(impl, policy, args.chunks, keys=keys)
+                pinned = cache.pin(fraction)
+                ns = time_op(cache, "store_evict", repeat=args.repeat)
+                out.setdefault(policy, {}).setdefault(str(fraction), {})[impl] = ns
+                _log(f"pinned {policy} {fraction:.0%} ({pinned:,}) {impl:<9} {ns:10.1f} ns/key")
+                del cache
+    return {"chunks": args.chunks, "store_evict_ns_per_key": out}
+
+
+def measure_batch(args: argparse.Namespace) -> dict[str, Any]:
+    """``{policy: {batch: {impl: {op: ns/key}}}}`` at ``args.chunks``."""
+    out: dict[str, Any] = {}
+    keys = make_keys(args.chunks + SPARE_KEYS, seed=2)
+    for policy in args.policies:
+        for impl in _impls(args.impls, policy):
+            cache = FilledCache(impl, policy, args.chunks, keys=keys)
+            for batch in args.batches:
+                cache.batch = batch
+                row = {op: time_op(cache, op, repeat=args.repeat) for op in BATCH_OPS}
+                out.setdefault(policy, {}).setdefault(str(batch), {})[impl] = row
+                _log(f"batch {policy} {batch:>5} {impl:<9} {row}")
+            del cache
+    return {"chunks": args.chunks, "ns_per_key": out}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_child(impl: str, policy: str, chunks: int, mode: str) -> dict[str, float]:
+    """Fill a fresh manager with ``chunks`` ready chunks; bytes per chunk it holds (one process)."""
+    import tracemalloc
+
+    cls, ctx_cls = manager_and_context(impl)
+    keys = make_keys(chunks, seed=3)
+    contexts = [ctx_cls(f"fill-{lo}") for lo in range(0, chunks, FILL_BATCH)]
+    gc.collect()
+    if mode == "tracemalloc":
+        tracemalloc.start()
+    before = _rss_bytes()
+    manager = cls(chunks, cache_policy=policy)
+    for ctx, lo in zip(contexts, range(0, chunks, FILL_BATCH), strict=True):
+        batch = keys[lo : lo + FILL_BATCH]
+        manager.prepare_store(batch, ctx)
+        manager.complete_store(batch, ctx)
+    del contexts  # per-request state hangs off the contexts, not the manager
+    gc.collect()
+    if mode == "tracemalloc":
+        current, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        return {"tracemalloc_bytes_per_chunk": current / chunks}
+    return {"rss_bytes_per_chunk": (_rss_bytes() - before) / chunks}
+
+
+def measure_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """``{policy: {impl: {rss_bytes_per_chunk, tracemalloc_bytes_per_chunk}}}``."""
+    out: dict[str, Any] = {}
+    for policy in args.policies:
+        for impl in _impls(args.impls, policy):
+            row: dict[str, float] = {}
+            for mode in ("rss", "tracemalloc"):
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--memory-child",
+                    impl,
+                    policy,
+                    str(args.memory_chunks),
+                    mode,
+                ]
+                done = subprocess.run(
+                    cmd, capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+                )
+                row.update(json.loads(done.stdout))
+            out.setdefault(policy, {})[impl] = row
+            _log(f"memory {policy} {impl:<9} {row}")
+    return {"chunks": args.memory_chunks, "bytes_per_chunk": out}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen measurements and write them as JSON (stdout or ``--json``)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", type=_names, default=list(PARTS), help="comma-separated parts")
+    parser.add_argument("--policies", type=_names, default=["lru", "arc"])
+    parser.add_argument("--impls", type=_names, default=list(IMPLS))
+    parser.add_argument("--sizes", type=_ints, default=[10**3, 10**4, 10**5, 10**6, 10**7])
+    parser.add_argument("--python-max", type=int, default=10**6, help="largest Python pool")
+    parser.add_argument("--chunks", type=int, default=100_000, help="pool of pinned and batch")
+    parser.add_argument("--fractions", type=_floats, default=list(PINNED_FRACTIONS))
+    parser.add_argument("--batches", type=_ints, default=list(BATCHES))
+    parser.add_argument("--memory-chunks", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", type=Path, metavar="PATH")
+    parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        impl, policy, chunks, mode = args.memory_child
+        print(json.dumps(memory_child(impl, policy, int(chunks), mode)))
+        return 0
+    parts = {"sizes": measure_sizes, "pinned": measure_pinned, "batch": measure_batch}
+    parts["memory"] = measure_memory
+    doc: dict[str, Any] = {"repeat": args.repeat, "python_max": args.python_max}
+    for part in args.only:
+        started = time.perf_counter()
+        doc[part] = parts[part](args)
+        doc[part]["seconds"] = time.perf_counter() - started
+    text = json.dumps(doc, indent=2) + "\n"
+    if args.json is not None:
+        args.json.write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
