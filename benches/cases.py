@@ -37,7 +37,7 @@ from kvoffload.bench import IMPLEMENTATIONS, load_implementation
 
 KEYS_PER_OP = 32
 SIZES = (1_000, 100_000, 1_000_000)
-POLICIES = ("lru", "arc", "fifo", "sieve", "s3fifo", "2q", "slru")
+POLICIES = ("lru", "arc", "fifo", "sieve", "s3fifo", "2q", "slru", "lfu", "arc-paper")
 VLLM = "vllm"
 VLLM_POLICIES = ("lru", "arc")  # vLLM 0.33.0's built-in policies
 IMPLS = (*IMPLEMENTATIONS, VLLM)  # ("reference", "rust", "vllm")
