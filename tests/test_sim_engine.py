@@ -128,3 +128,15 @@ def test_lru_classic_curve_is_monotonic_in_parallel() -> None:
     assert curve == sorted(curve, reverse=True)
     serial = miss_ratio_curve(trace, sizes, ("lru",), jobs=1)
     assert [r.hit_chunks for r in serial] == [r.hit_chunks for r in results]
+
+
+def test_shadows_report_their_hit_rates_beside_the_live_policy() -> None:
+    from kvoffload.sim import SimConfig, simulate
+    from kvoffload.sim.traces import zipf_object_trace
+
+    trace = zipf_object_trace(3000, 400, alpha=0.9, seed=5)
+    live = simulate(trace, SimConfig(num_chunks=60, policy="lru", shadow_policies=("lru", "arc")))
+    assert set(live.shadow_hit_rates) == {"lru", "arc"}
+    # Classic mode completes every store at once, as a shadow does: the lru shadow is exact.
+    assert live.shadow_hit_rates["lru"] == pytest.approx(live.hit_chunks / live.requests)
+    assert "shadow_arc_hit_rate" in live.csv_row()

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvoffload.sim.engine import SimConfig, make_manager
+from kvoffload.sim.engine import SimConfig, make_manager, shadow_hit_rates
 from kvoffload.sim.results import SimResult
 from kvoffload.sim.traces import ObjectTrace
 from kvoffload.types import LookupResult, ReqContext, make_offload_key
@@ -93,6 +93,7 @@ def run_classic(
     res.stores_refused = refused
     # Key-level operations: a lookup per request, then a touch (hit) or a store and its completion.
     res.chunk_ops = n + hits + 2 * misses_stored + refused
+    res.shadow_hit_rates = shadow_hit_rates(manager)
     if cfg.check_invariants and hasattr(manager, "check_invariants"):
         manager.check_invariants()
     return res

@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--format", choices=("jsonl", "txt", "csv", "oracleGeneral"), help="trace format")
     add(
+        "--shadows",
+        default="",
+        help="comma-separated what-if policies run beside each live one (their hit rates are "
+        "in the JSON/CSV results)",
+    )
+    add(
         "--policies",
         default="lru,arc",
         help=f"comma-separated cache policies (lru,arc); built in: {','.join(BUILTIN_POLICIES)}",
@@ -120,6 +126,7 @@ def _run(args: argparse.Namespace) -> int:
         impl=args.impl,
         cache_policy_module_path=args.cache_policy_module_path,
         store_threshold=args.store_threshold,
+        shadow_policies=tuple(p for p in args.shadows.split(",") if p),
         max_running=args.max_running,
         store_failure_prob=args.store_failure_prob,
         chunk_bytes=args.chunk_bytes,

@@ -64,6 +64,8 @@ class SimConfig:
     max_pending_retries: int = 2
     seed: int = 0
     check_invariants: bool = True
+    #: What-if policies run beside the live one on the same traffic (kvoffload's Rust manager).
+    shadow_policies: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """Raise InvalidArgumentError on a value the model cannot run with."""
@@ -81,12 +83,24 @@ def make_manager(cfg: SimConfig) -> Any:
     from kvoffload.bench import load_implementation  # the names of ``kvoffload bench --impls``
 
     cls = load_implementation(cfg.impl)
+    extra: dict[str, Any] = {}
+    if cfg.shadow_policies:
+        extra["shadow_policies"] = list(cfg.shadow_policies)
     return cls(
         cfg.num_chunks,
         cache_policy=cfg.policy,
         cache_policy_module_path=cfg.cache_policy_module_path,
         store_threshold=cfg.store_threshold,
+        **extra,
     )
+
+
+def shadow_hit_rates(manager: Any) -> dict[str, float]:
+    """Each shadow policy's hit rate on the run's traffic (empty without shadows)."""
+    report = getattr(manager, "shadow_report", None)
+    if report is None:
+        return {}
+    return {c.policy: c.hit_rate for c in report() if c.role == "shadow"}
 
 
 @dataclass
@@ -274,6 +288,7 @@ def run_serving(
     stats = manager.get_stats().data["data"]
     skipped = stats.get("vllm:kv_offload_stores_skipped")
     res.stores_skipped = int(skipped[()]) if skipped else 0
+    res.shadow_hit_rates = shadow_hit_rates(manager)
     if cfg.check_invariants and hasattr(manager, "check_invariants"):
         manager.check_invariants()
     return res

@@ -65,6 +65,8 @@ class SimResult:
     pending_waits: int = 0
     #: Key-level manager operations (one per key passed to a call; one per lookup).
     chunk_ops: int = 0
+    #: Lookup hit rate each what-if shadow policy had on the same traffic (`kvoffload.shadow`).
+    shadow_hit_rates: dict[str, float] = field(default_factory=dict)
     sim_time_s: float = 0.0
     wall_s: float = 0.0
     timer_overhead_ns: int = 0
@@ -140,6 +142,8 @@ class SimResult:
         """The flat part of `to_json` (one CSV row)."""
         row = self.to_json()
         row.pop("calls")
+        for policy, rate in row.pop("shadow_hit_rates").items():
+            row[f"shadow_{policy}_hit_rate"] = rate
         for kind in SIM_CALL_KINDS:
             row[f"ns_per_{kind}"] = self.ns_per_call(kind)
         return row
