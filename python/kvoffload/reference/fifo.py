@@ -6,24 +6,20 @@ ready again and every older key has gone (the one deviation pinning forces).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence, Set
+from collections.abc import Set
 from typing import Any
 
-from kvoffload.reference.policy import CachePolicy, ChunkStatus, RequestContext
+from kvoffload.reference.policy import ChunkStatus, OwnPolicy, RequestContext
 
 __all__ = ["FifoPolicy"]
 
 
-class FifoPolicy(CachePolicy):
+class FifoPolicy(OwnPolicy):
     """First in, first out (``"fifo"``)."""
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self.entries: dict[bytes, ChunkStatus] = {}  # insertion order, oldest first
-
-    def get(self, key: bytes) -> ChunkStatus | None:
-        """Return the status of a resident key, or None."""
-        return self.entries.get(key)
 
     def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
         """Append a new key at the newest end."""
@@ -32,21 +28,6 @@ class FifoPolicy(CachePolicy):
     def remove(self, key: bytes) -> None:
         """Drop a failed store."""
         del self.entries[key]
-
-    def touch(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Hits do not reorder a FIFO."""
-
-    def on_store_miss(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Nothing (the base class would touch)."""
-
-    def on_request_finished(
-        self,
-        groups: Sequence[Sequence[bytes]],
-        inserted_only: Set[bytes],
-        reused: Set[bytes],
-        req_context: RequestContext,
-    ) -> None:
-        """Nothing (the base class would touch)."""
 
     def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
         """The ``n`` oldest ready, unprotected keys, or None if there are fewer."""
@@ -59,14 +40,6 @@ class FifoPolicy(CachePolicy):
         if len(victims) < n:
             return None
         return [(key, self.entries.pop(key)) for key in victims]
-
-    def clear(self) -> None:
-        """Forget everything."""
-        self.entries.clear()
-
-    def items(self) -> Iterator[tuple[bytes, ChunkStatus]]:
-        """Every resident key with its status, oldest first."""
-        return iter(list(self.entries.items()))
 
     def state(self) -> dict[str, Any]:
         """The queue oldest first as ``(key, visited)`` (never visited), as SIEVE reports it."""

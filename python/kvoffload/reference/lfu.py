@@ -11,11 +11,11 @@ this.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence, Set
+from collections.abc import Sequence, Set
 from typing import Any
 
-from kvoffload.reference.policy import CachePolicy, ChunkStatus, RequestContext, require
-from kvoffload.reference.queues import Queues
+from kvoffload.reference.policy import ChunkStatus, RequestContext, require
+from kvoffload.reference.queues import QueuePolicy, Queues
 
 __all__ = ["LfuPolicy"]
 
@@ -23,20 +23,16 @@ MAX_COUNT = 15
 MAX_AVERAGE = 4
 
 
-class LfuPolicy(CachePolicy):
+class LfuPolicy(QueuePolicy):
     """LFU with aging (``"lfu"``); see the module docs."""
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self.entries: dict[bytes, ChunkStatus] = {}
         self.queues = Queues([str(n) for n in range(MAX_COUNT + 1)])
         self.total = 0  # sum of the counts
 
     def _count(self, key: bytes) -> int:
         return int(self.queues.queue_of[key])
-
-    def _ready(self, key: bytes) -> bool:
-        return self.entries[key].is_ready
 
     def _hit(self, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -61,10 +57,6 @@ class LfuPolicy(CachePolicy):
                 q.lens[str(n // 2)] += 1
         self.total = sum(n * q.lens[str(n)] for n in range(MAX_COUNT + 1))
 
-    def get(self, key: bytes) -> ChunkStatus | None:
-        """Return the status of a resident key, or None."""
-        return self.entries.get(key)
-
     def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
         """A new key starts at count 1."""
         self.entries[key] = status
@@ -76,26 +68,6 @@ class LfuPolicy(CachePolicy):
         self.total -= self._count(key)
         self.queues.remove(key)
         del self.entries[key]
-
-    def touch(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Hits: raise the counts."""
-        self._hit(keys)
-
-    def on_request_access(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Hits: a request's first access to resident keys."""
-        self._hit(keys)
-
-    def on_store_miss(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Nothing (the base class would touch)."""
-
-    def on_request_finished(
-        self,
-        groups: Sequence[Sequence[bytes]],
-        inserted_only: Set[bytes],
-        reused: Set[bytes],
-        req_context: RequestContext,
-    ) -> None:
-        """Nothing: the request's hits were counted when they happened."""
 
     def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
         """Evict ``n`` keys, lowest count first (the manager checked feasibility)."""
@@ -112,19 +84,6 @@ class LfuPolicy(CachePolicy):
             self.remove(found)
             victims.append((found, status))
         return victims
-
-    def clear(self) -> None:
-        """Forget everything."""
-        self.__init__(self.cache_capacity)  # type: ignore[misc]
-
-    def mark_evictable(self, key: bytes) -> None:
-        """A parked key that is ready again re-enters at its queue's oldest end."""
-        if key in self.queues.parked:
-            self.queues.move_to(key, self.queues.queue_of[key], newest=False)
-
-    def items(self) -> Iterator[tuple[bytes, ChunkStatus]]:
-        """Every resident key with its status."""
-        return iter(list(self.entries.items()))
 
     def state(self) -> dict[str, Any]:
         """One queue per count, oldest first, parked keys (sorted), as the Rust core reports."""

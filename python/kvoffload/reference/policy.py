@@ -21,6 +21,7 @@ from kvoffload.errors import InvalidArgumentError, InvariantViolation
 __all__ = [
     "CachePolicy",
     "ChunkStatus",
+    "OwnPolicy",
     "RequestContext",
     "finished_key_order",
     "position_of",
@@ -184,3 +185,51 @@ def require(condition: bool, message: str) -> None:
     """Raise InvariantViolation with ``message`` unless ``condition`` holds."""
     if not condition:
         raise InvariantViolation(message)
+
+
+class OwnPolicy(CachePolicy):
+    """Base of kvoffload's own policies (all but LRU and ARC).
+
+    ``entries`` maps each resident key to its status. A *hit* is a ``touch`` of a resident key
+    or a request's first access to one (``on_request_access``), handled by ``_hit``; store misses
+    and finished requests change nothing. ``clear`` starts afresh.
+    """
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.entries: dict[bytes, ChunkStatus] = {}
+
+    def _hit(self, keys: Sequence[bytes]) -> None:
+        """Hits on ``keys`` (absent keys among them are ignored); default: nothing."""
+
+    def get(self, key: bytes) -> ChunkStatus | None:
+        """Return the status of a resident key, or None."""
+        return self.entries.get(key)
+
+    def touch(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
+        """Hits."""
+        self._hit(keys)
+
+    def on_request_access(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
+        """Hits: a request's first access to resident keys."""
+        self._hit(keys)
+
+    def on_store_miss(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
+        """Nothing (the base class would touch)."""
+
+    def on_request_finished(
+        self,
+        groups: Sequence[Sequence[bytes]],
+        inserted_only: Set[bytes],
+        reused: Set[bytes],
+        req_context: RequestContext,
+    ) -> None:
+        """Nothing: the request's hits were counted when they happened."""
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self.__init__(self.cache_capacity)  # type: ignore[misc]
+
+    def items(self) -> Iterator[tuple[bytes, ChunkStatus]]:
+        """Every resident key with its status."""
+        return iter(list(self.entries.items()))

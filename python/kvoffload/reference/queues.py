@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-__all__ = ["Queues"]
+from kvoffload.reference.policy import OwnPolicy
+
+__all__ = ["QueuePolicy", "Queues"]
 
 
 class Queues:
@@ -91,3 +93,21 @@ class Queues:
                 return False
         linked = {key for name in self.names for key in self.linked[name]}
         return linked | self.parked == residents == set(self.queue_of) and not linked & self.parked
+
+
+class QueuePolicy(OwnPolicy):
+    """Base of the queue-based policies: ``queues`` holds the residents, parked ones included.
+
+    A parked key that is ready again re-enters at its queue's oldest end, where the scan would
+    have examined it.
+    """
+
+    queues: Queues
+
+    def _ready(self, key: bytes) -> bool:
+        return self.entries[key].is_ready
+
+    def mark_evictable(self, key: bytes) -> None:
+        """A parked key that is ready again re-enters at its queue's oldest end."""
+        if key in self.queues.parked:
+            self.queues.move_to(key, self.queues.queue_of[key], newest=False)

@@ -16,24 +16,23 @@ key (being offered) is passed over. The Rust ``S3FifoPolicy`` does exactly this.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence, Set
+from collections.abc import Callable, Sequence, Set
 from typing import Any
 
-from kvoffload.reference.policy import CachePolicy, ChunkStatus, RequestContext, require
+from kvoffload.reference.policy import ChunkStatus, OwnPolicy, RequestContext, require
 
 __all__ = ["S3FifoPolicy"]
 
 MAX_FREQ = 3
 
 
-class S3FifoPolicy(CachePolicy):
+class S3FifoPolicy(OwnPolicy):
     """S3-FIFO (``"s3fifo"``); see the module docs."""
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self.small_cap = max(cache_capacity // 10, 1)
         self.main_cap = max(cache_capacity - self.small_cap, 0)
-        self.entries: dict[bytes, ChunkStatus] = {}
         self.freq: dict[bytes, int] = {}
         # Linked entries, oldest first; parked entries map to their queue's name.
         self.small: OrderedDict[bytes, None] = OrderedDict()
@@ -104,10 +103,6 @@ class S3FifoPolicy(CachePolicy):
                 break
         return len(victims) > before
 
-    def get(self, key: bytes) -> ChunkStatus | None:
-        """Return the status of a resident key, or None."""
-        return self.entries.get(key)
-
     def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
         """A new key enters S, or M when it is a ghost (leaving G)."""
         self.entries[key] = status
@@ -136,26 +131,6 @@ class S3FifoPolicy(CachePolicy):
             if key in self.entries:
                 self.freq[key] = min(self.freq[key] + 1, MAX_FREQ)
 
-    def touch(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Hits: raise the frequency of each resident key."""
-        self._hit(keys)
-
-    def on_request_access(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Hits: a request's first access to resident keys."""
-        self._hit(keys)
-
-    def on_store_miss(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Nothing (the base class would touch)."""
-
-    def on_request_finished(
-        self,
-        groups: Sequence[Sequence[bytes]],
-        inserted_only: Set[bytes],
-        reused: Set[bytes],
-        req_context: RequestContext,
-    ) -> None:
-        """Nothing: the request's hits were counted when they happened."""
-
     def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
         """Evict ``n`` keys by the S3-FIFO rule (the manager checked that ``n`` can be found)."""
         victims: list[tuple[bytes, ChunkStatus]] = []
@@ -168,10 +143,6 @@ class S3FifoPolicy(CachePolicy):
                 return None  # unreachable: the manager asks only for feasible evictions
         return victims
 
-    def clear(self) -> None:
-        """Forget everything."""
-        self.__init__(self.cache_capacity)  # type: ignore[misc]
-
     def mark_evictable(self, key: bytes) -> None:
         """A parked key that is ready again re-enters at its queue's oldest end."""
         queue = self.parked.pop(key, None)
@@ -179,10 +150,6 @@ class S3FifoPolicy(CachePolicy):
             target = self.small if queue == "small" else self.main
             target[key] = None
             target.move_to_end(key, last=False)
-
-    def items(self) -> Iterator[tuple[bytes, ChunkStatus]]:
-        """Every resident key with its status."""
-        return iter(list(self.entries.items()))
 
     def state(self) -> dict[str, Any]:
         """S and M oldest first and parked keys (sorted) with frequencies; ghosts oldest first."""

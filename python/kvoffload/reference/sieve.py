@@ -13,20 +13,19 @@ current sweep examines it last. The Rust ``SievePolicy`` does exactly this.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence, Set
+from collections.abc import Sequence, Set
 from typing import Any
 
-from kvoffload.reference.policy import CachePolicy, ChunkStatus, RequestContext, require
+from kvoffload.reference.policy import ChunkStatus, OwnPolicy, RequestContext, require
 
 __all__ = ["SievePolicy"]
 
 
-class SievePolicy(CachePolicy):
+class SievePolicy(OwnPolicy):
     """SIEVE (``"sieve"``); see the module docs."""
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self.entries: dict[bytes, ChunkStatus] = {}
         self.visited: dict[bytes, bool] = {}
         self.parked: set[bytes] = set()
         # The queue as a doubly linked list: newer/older neighbour of each queued key.
@@ -68,10 +67,6 @@ class SievePolicy(CachePolicy):
             if key in self.entries:
                 self.visited[key] = True
 
-    def get(self, key: bytes) -> ChunkStatus | None:
-        """Return the status of a resident key, or None."""
-        return self.entries.get(key)
-
     def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
         """Queue a new key, unvisited, at the newest end."""
         self.entries[key] = status
@@ -85,26 +80,6 @@ class SievePolicy(CachePolicy):
             self.parked.discard(key)
         else:
             self._unlink(key)
-
-    def touch(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Hits: set the visited bit of each resident key."""
-        self._hit(keys)
-
-    def on_request_access(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Hits: a request's first access to resident keys."""
-        self._hit(keys)
-
-    def on_store_miss(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Nothing (the base class would touch)."""
-
-    def on_request_finished(
-        self,
-        groups: Sequence[Sequence[bytes]],
-        inserted_only: Set[bytes],
-        reused: Set[bytes],
-        req_context: RequestContext,
-    ) -> None:
-        """Nothing: the request's hits were counted when they happened."""
 
     def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
         """Sweep the hand until ``n`` unvisited, ready, unprotected keys are found (or None)."""
@@ -150,19 +125,11 @@ class SievePolicy(CachePolicy):
             victims.append((key, self.entries.pop(key)))
         return victims
 
-    def clear(self) -> None:
-        """Forget everything."""
-        self.__init__(self.cache_capacity)  # type: ignore[misc]
-
     def mark_evictable(self, key: bytes) -> None:
         """A parked key that is ready again re-enters right behind the hand."""
         if key in self.parked:
             self.parked.discard(key)
             self._link_before(key, self.hand)
-
-    def items(self) -> Iterator[tuple[bytes, ChunkStatus]]:
-        """Every resident key with its status."""
-        return iter(list(self.entries.items()))
 
     def _queue(self) -> list[bytes]:
         keys, key = [], self.oldest

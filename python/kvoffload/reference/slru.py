@@ -12,30 +12,22 @@ this.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence, Set
+from collections.abc import Sequence, Set
 from typing import Any
 
-from kvoffload.reference.policy import CachePolicy, ChunkStatus, RequestContext, require
-from kvoffload.reference.queues import Queues
+from kvoffload.reference.policy import ChunkStatus, RequestContext, require
+from kvoffload.reference.queues import QueuePolicy, Queues
 
 __all__ = ["SlruPolicy"]
 
 
-class SlruPolicy(CachePolicy):
+class SlruPolicy(QueuePolicy):
     """Segmented LRU (``"slru"``); see the module docs."""
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self.protected_cap = cache_capacity * 4 // 5
-        self.entries: dict[bytes, ChunkStatus] = {}
         self.queues = Queues(("probation", "protected"))
-
-    def _ready(self, key: bytes) -> bool:
-        return self.entries[key].is_ready
-
-    def get(self, key: bytes) -> ChunkStatus | None:
-        """Return the status of a resident key, or None."""
-        return self.entries.get(key)
 
     def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
         """A new key enters probation."""
@@ -47,12 +39,8 @@ class SlruPolicy(CachePolicy):
         self.queues.remove(key)
         del self.entries[key]
 
-    def touch(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Hits: keys move to protected's most recent end."""
-        self.on_request_access(keys, req_context)
-
-    def on_request_access(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Hits: a request's first access to resident keys."""
+    def _hit(self, keys: Sequence[bytes]) -> None:
+        """Hits: see the module docs."""
         for key in keys:
             if key not in self.entries:
                 continue
@@ -62,18 +50,6 @@ class SlruPolicy(CachePolicy):
                 if demoted is None:
                     break  # every protected key is parked
                 self.queues.move_to(demoted, "probation")
-
-    def on_store_miss(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Nothing (the base class would touch)."""
-
-    def on_request_finished(
-        self,
-        groups: Sequence[Sequence[bytes]],
-        inserted_only: Set[bytes],
-        reused: Set[bytes],
-        req_context: RequestContext,
-    ) -> None:
-        """Nothing: the request's hits were counted when they happened."""
 
     def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
         """Evict ``n`` least recent keys, probation first (the manager checked feasibility)."""
@@ -87,19 +63,6 @@ class SlruPolicy(CachePolicy):
             self.queues.remove(key)
             victims.append((key, self.entries.pop(key)))
         return victims
-
-    def clear(self) -> None:
-        """Forget everything."""
-        self.__init__(self.cache_capacity)  # type: ignore[misc]
-
-    def mark_evictable(self, key: bytes) -> None:
-        """A parked key that is ready again re-enters at its segment's least recent end."""
-        if key in self.queues.parked:
-            self.queues.move_to(key, self.queues.queue_of[key], newest=False)
-
-    def items(self) -> Iterator[tuple[bytes, ChunkStatus]]:
-        """Every resident key with its status."""
-        return iter(list(self.entries.items()))
 
     def state(self) -> dict[str, Any]:
         """Both segments least recent first and parked keys (sorted), as the Rust core reports."""

@@ -14,32 +14,24 @@ exactly this.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence, Set
+from collections.abc import Sequence, Set
 from typing import Any
 
-from kvoffload.reference.policy import CachePolicy, ChunkStatus, RequestContext, require
-from kvoffload.reference.queues import Queues
+from kvoffload.reference.policy import ChunkStatus, RequestContext, require
+from kvoffload.reference.queues import QueuePolicy, Queues
 
 __all__ = ["TwoQPolicy"]
 
 
-class TwoQPolicy(CachePolicy):
+class TwoQPolicy(QueuePolicy):
     """2Q (``"2q"``); see the module docs."""
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self.kin = max(cache_capacity // 4, 1)
         self.kout = max(cache_capacity // 2, 1)
-        self.entries: dict[bytes, ChunkStatus] = {}
         self.queues = Queues(("a1in", "am"))
         self.ghosts: OrderedDict[bytes, None] = OrderedDict()
-
-    def _ready(self, key: bytes) -> bool:
-        return self.entries[key].is_ready
-
-    def get(self, key: bytes) -> ChunkStatus | None:
-        """Return the status of a resident key, or None."""
-        return self.entries.get(key)
 
     def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
         """A new key enters A1in, or Am when it is a ghost (leaving A1out)."""
@@ -55,27 +47,11 @@ class TwoQPolicy(CachePolicy):
         self.queues.remove(key)
         del self.entries[key]
 
-    def touch(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Hits: Am keys move to Am's most recent end."""
-        self.on_request_access(keys, req_context)
-
-    def on_request_access(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Hits: a request's first access to resident keys."""
+    def _hit(self, keys: Sequence[bytes]) -> None:
+        """Hits: see the module docs."""
         for key in keys:
             if self.queues.queue_of.get(key) == "am":
                 self.queues.move_to(key, "am")
-
-    def on_store_miss(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Nothing (the base class would touch)."""
-
-    def on_request_finished(
-        self,
-        groups: Sequence[Sequence[bytes]],
-        inserted_only: Set[bytes],
-        reused: Set[bytes],
-        req_context: RequestContext,
-    ) -> None:
-        """Nothing: the request's hits were counted when they happened."""
 
     def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
         """Evict ``n`` keys by the 2Q rule (the manager checked that ``n`` can be found)."""
@@ -98,19 +74,6 @@ class TwoQPolicy(CachePolicy):
                     self.ghosts.popitem(last=False)
             victims.append((key, self.entries.pop(key)))
         return victims
-
-    def clear(self) -> None:
-        """Forget everything."""
-        self.__init__(self.cache_capacity)  # type: ignore[misc]
-
-    def mark_evictable(self, key: bytes) -> None:
-        """A parked key that is ready again re-enters at its queue's oldest end."""
-        if key in self.queues.parked:
-            self.queues.move_to(key, self.queues.queue_of[key], newest=False)
-
-    def items(self) -> Iterator[tuple[bytes, ChunkStatus]]:
-        """Every resident key with its status."""
-        return iter(list(self.entries.items()))
 
     def state(self) -> dict[str, Any]:
         """A1in and Am oldest first, parked keys (sorted) and ghosts, as the Rust core reports."""
