@@ -9,7 +9,7 @@
 //! release cost O(1) and eviction never walks past a pinned chunk twice.
 
 use super::order::EvictionOrder;
-use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
+use super::{Access, CachePolicy, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
 use crate::key::KeySlot;
 use crate::pool::ChunkId;
@@ -61,14 +61,6 @@ impl CachePolicy for FifoPolicy {
         self.order.remove(chunk);
         self.seq[chunk as usize] = 0;
     }
-
-    fn touch(&mut self, _keys: &[Access<'_>], _refs: &RefCountTable) {}
-
-    fn on_store_miss(&mut self, _keys: &[Access<'_>]) {}
-
-    fn on_request_access(&mut self, _keys: &[Access<'_>], _rank: &mut RequestRank) {}
-
-    fn on_request_finished(&mut self, _keys: &[FinishedKey<'_>]) {}
 
     fn evict(
         &mut self,

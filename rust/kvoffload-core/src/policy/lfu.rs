@@ -16,7 +16,7 @@
 //! once ready; a protected chunk (of the offer being stored) is passed over.
 
 use super::queues::Queues;
-use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
+use super::{Access, CachePolicy, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
 use crate::key::KeySlot;
 use crate::pool::ChunkId;
@@ -109,13 +109,9 @@ impl CachePolicy for LfuPolicy {
         self.hit(keys);
     }
 
-    fn on_store_miss(&mut self, _keys: &[Access<'_>]) {}
-
     fn on_request_access(&mut self, keys: &[Access<'_>], _rank: &mut RequestRank) {
         self.hit(keys);
     }
-
-    fn on_request_finished(&mut self, _keys: &[FinishedKey<'_>]) {}
 
     fn evict(
         &mut self,
@@ -142,10 +138,7 @@ impl CachePolicy for LfuPolicy {
     }
 
     fn mark_evictable(&mut self, chunk: ChunkId) {
-        if self.queues.set_ready(chunk, true) {
-            let q = self.count(chunk);
-            self.queues.move_to(chunk, q, false);
-        }
+        self.queues.set_ready(chunk, true);
     }
 
     fn mark_non_evictable(&mut self, chunk: ChunkId) {

@@ -116,14 +116,15 @@ pub trait CachePolicy: Send {
     fn insert(&mut self, chunk: ChunkId, key: Access<'_>, rank: &mut RequestRank);
     /// Forget a pending chunk whose store failed (no ghost entry).
     fn remove(&mut self, chunk: ChunkId);
-    /// Mark keys as recently used; `refs` tells pending from readable chunks.
-    fn touch(&mut self, keys: &[Access<'_>], refs: &RefCountTable);
-    /// Keys about to be stored that the request had not reported as misses before.
-    fn on_store_miss(&mut self, keys: &[Access<'_>]);
-    /// Keys a request sees for the first time, in call order.
-    fn on_request_access(&mut self, keys: &[Access<'_>], rank: &mut RequestRank);
-    /// A request finished; `keys` is its head-to-tail order.
-    fn on_request_finished(&mut self, keys: &[FinishedKey<'_>]);
+    /// Mark keys as recently used; `refs` tells pending from readable chunks (default: nothing).
+    fn touch(&mut self, _keys: &[Access<'_>], _refs: &RefCountTable) {}
+    /// Keys about to be stored that the request had not reported as misses before (default:
+    /// nothing).
+    fn on_store_miss(&mut self, _keys: &[Access<'_>]) {}
+    /// Keys a request sees for the first time, in call order (default: nothing).
+    fn on_request_access(&mut self, _keys: &[Access<'_>], _rank: &mut RequestRank) {}
+    /// A request finished; `keys` is its head-to-tail order (default: nothing).
+    fn on_request_finished(&mut self, _keys: &[FinishedKey<'_>]) {}
     /// Choose exactly `n` evictable, unprotected chunks and drop them, or change nothing and
     /// return `false`. Victims are appended to `out` in eviction order.
     fn evict(

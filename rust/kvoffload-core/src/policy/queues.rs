@@ -162,12 +162,17 @@ impl<const N: usize> Queues<N> {
         self.lens[q] += 1;
     }
 
-    /// The manager says `c` is ready (`true`) or not. Returns whether `c` is parked and ready
-    /// now: the policy then links it back with [`move_to`](Self::move_to).
+    /// The manager says `c` is ready (`true`) or not. A parked chunk that is ready again
+    /// re-enters at its queue's oldest end, where the scan would have examined it; returns
+    /// whether that happened.
     pub(crate) fn set_ready(&mut self, c: ChunkId, ready: bool) -> bool {
         let i = c as usize;
         self.ready[i] = ready;
-        ready && self.parked[i]
+        let relink = ready && self.parked[i];
+        if relink {
+            self.move_to(c, usize::from(self.queue[i]), false);
+        }
+        relink
     }
 
     /// The oldest ready entry of queue `q` for which `skip` is false; the entries met before it

@@ -19,7 +19,7 @@
 //! entries.
 
 use super::queues::Queues;
-use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
+use super::{Access, CachePolicy, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
 use crate::key::{KeyBuf, KeyHasher, KeySlot};
 use crate::pool::ChunkId;
@@ -165,13 +165,9 @@ impl CachePolicy for S3FifoPolicy {
         self.hit(keys);
     }
 
-    fn on_store_miss(&mut self, _keys: &[Access<'_>]) {}
-
     fn on_request_access(&mut self, keys: &[Access<'_>], _rank: &mut RequestRank) {
         self.hit(keys);
     }
-
-    fn on_request_finished(&mut self, _keys: &[FinishedKey<'_>]) {}
 
     fn evict(
         &mut self,
@@ -207,11 +203,7 @@ impl CachePolicy for S3FifoPolicy {
     }
 
     fn mark_evictable(&mut self, chunk: ChunkId) {
-        if self.queues.set_ready(chunk, true) {
-            // Parked: back at its queue's oldest end, where the scan would have examined it.
-            let q = self.queues.queue_of(chunk).unwrap_or(SMALL);
-            self.queues.move_to(chunk, q, false);
-        }
+        self.queues.set_ready(chunk, true);
     }
 
     fn mark_non_evictable(&mut self, chunk: ChunkId) {

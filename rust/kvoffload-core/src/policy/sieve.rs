@@ -17,7 +17,7 @@
 //! The manager only asks for an eviction it knows can succeed (enough ready, unprotected
 //! chunks), so a sweep always ends: after one full turn every visited bit it met is clear.
 
-use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
+use super::{Access, CachePolicy, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
 use crate::key::KeySlot;
 use crate::pool::ChunkId;
@@ -160,13 +160,9 @@ impl CachePolicy for SievePolicy {
         self.hit(keys);
     }
 
-    fn on_store_miss(&mut self, _keys: &[Access<'_>]) {}
-
     fn on_request_access(&mut self, keys: &[Access<'_>], _rank: &mut RequestRank) {
         self.hit(keys);
     }
-
-    fn on_request_finished(&mut self, _keys: &[FinishedKey<'_>]) {}
 
     fn evict(
         &mut self,

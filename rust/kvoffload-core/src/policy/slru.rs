@@ -15,7 +15,7 @@
 //! protected's most recent end at once.
 
 use super::queues::Queues;
-use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
+use super::{Access, CachePolicy, PolicyState, RequestRank};
 use crate::error::Result;
 use crate::key::KeySlot;
 use crate::pool::ChunkId;
@@ -62,8 +62,6 @@ impl CachePolicy for SlruPolicy {
         self.on_request_access(keys, &mut None);
     }
 
-    fn on_store_miss(&mut self, _keys: &[Access<'_>]) {}
-
     fn on_request_access(&mut self, keys: &[Access<'_>], _rank: &mut RequestRank) {
         for a in keys {
             let Some(c) = a.chunk.filter(|&c| self.queues.queue_of(c).is_some()) else {
@@ -78,8 +76,6 @@ impl CachePolicy for SlruPolicy {
             }
         }
     }
-
-    fn on_request_finished(&mut self, _keys: &[FinishedKey<'_>]) {}
 
     fn evict(
         &mut self,
@@ -108,10 +104,7 @@ impl CachePolicy for SlruPolicy {
     }
 
     fn mark_evictable(&mut self, chunk: ChunkId) {
-        if self.queues.set_ready(chunk, true) {
-            let q = self.queues.queue_of(chunk).unwrap_or(PROBATION);
-            self.queues.move_to(chunk, q, false);
-        }
+        self.queues.set_ready(chunk, true);
     }
 
     fn mark_non_evictable(&mut self, chunk: ChunkId) {

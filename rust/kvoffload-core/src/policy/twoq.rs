@@ -14,7 +14,7 @@
 //! gives the victim. A hit on a parked Am chunk links it at Am's most recent end at once.
 
 use super::queues::Queues;
-use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
+use super::{Access, CachePolicy, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
 use crate::key::{KeyBuf, KeyHasher, KeySlot};
 use crate::pool::ChunkId;
@@ -80,8 +80,6 @@ impl CachePolicy for TwoQPolicy {
         self.on_request_access(keys, &mut None);
     }
 
-    fn on_store_miss(&mut self, _keys: &[Access<'_>]) {}
-
     fn on_request_access(&mut self, keys: &[Access<'_>], _rank: &mut RequestRank) {
         for a in keys {
             if let Some(c) = a.chunk.filter(|&c| self.queues.queue_of(c) == Some(AM)) {
@@ -89,8 +87,6 @@ impl CachePolicy for TwoQPolicy {
             }
         }
     }
-
-    fn on_request_finished(&mut self, _keys: &[FinishedKey<'_>]) {}
 
     fn evict(
         &mut self,
@@ -130,10 +126,7 @@ impl CachePolicy for TwoQPolicy {
     }
 
     fn mark_evictable(&mut self, chunk: ChunkId) {
-        if self.queues.set_ready(chunk, true) {
-            let q = self.queues.queue_of(chunk).unwrap_or(A1IN);
-            self.queues.move_to(chunk, q, false);
-        }
+        self.queues.set_ready(chunk, true);
     }
 
     fn mark_non_evictable(&mut self, chunk: ChunkId) {
