@@ -80,13 +80,14 @@ def test_simulate_takes_a_generator_name() -> None:
     assert res.workload == "zipf-objects"
 
 
-def test_sim_plugin_on_rust_is_a_clear_error(
+def test_sim_plugin_runs_on_the_rust_manager(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = ["sim", "--requests", "20", "--policies", "LibCacheSimArc", "--jobs", "2"]
     args += ["--cache-policy-module-path", "kvoffload.sim.policies", "--sizes", "64,128"]
-    assert main([*args, "--out", str(tmp_path), "--no-progress"]) == 2
-    assert "use kvoffload.reference.CPUOffloadingManager" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path), "--no-progress"]) == 0
+    assert "LibCacheSimArc" in capsys.readouterr().out
+    assert (tmp_path / "sim.json").exists()
 
 
 def test_docs_python_example_runs() -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvoffload.errors import InvalidArgumentError, UnsupportedPolicyError
+from kvoffload.policies import CachePolicyFactory
 from kvoffload.types import CPUOffloadingMetrics, Medium, OffloadingEvent, OffloadingStats
 
 #: The policies built into kvoffload; a registered name wins over a module path.
@@ -25,24 +25,12 @@ BUILTIN_POLICIES: tuple[str, ...] = (
 
 
 def resolve_policy(name: str, module_path: str | None) -> str | type:
-    """Return a built-in policy name, or the class named ``name`` imported from ``module_path``."""
+    """Return a built-in policy name, or the policy class `CachePolicyFactory` resolves."""
     if not isinstance(name, str):
         raise UnsupportedPolicyError(f"cache_policy must be a str, got {type(name).__name__}")
     if name in BUILTIN_POLICIES:
         return name
-    if module_path is None:
-        raise UnsupportedPolicyError(
-            f"Unknown cache policy: {name!r}. Supported: {list(BUILTIN_POLICIES)}. "
-            "For an out-of-tree policy, also set cache_policy_module_path."
-        )
-    module = importlib.import_module(module_path)
-    try:
-        policy_cls: type = getattr(module, name)
-    except AttributeError:
-        raise UnsupportedPolicyError(
-            f"module {module_path!r} has no cache policy class {name!r}"
-        ) from None
-    return policy_cls
+    return CachePolicyFactory.get_cache_policy_cls(name, module_path)
 
 
 #: What can count offers for ``store_threshold``: vLLM's bounded tracker, or a TinyLFU sketch.

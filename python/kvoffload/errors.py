@@ -19,7 +19,9 @@ __all__ = [
     "KVOffloadError",
     "KeyStateError",
     "PageLockError",
+    "PolicyError",
     "PoolClosedError",
+    "ReentrantCallError",
     "RequestFinishedError",
     "SharedRegionError",
     "TraceFormatError",
@@ -96,3 +98,14 @@ class CudaRegistrationError(HostMemoryError):
 
 class PoolClosedError(KVOffloadError, RuntimeError):
     """The host pool was closed."""
+
+
+class PolicyError(KVOffloadError, RuntimeError):
+    """A plug-in cache policy broke its contract; the manager refused the result.
+
+    For example, ``evict`` chose a key it may not evict.
+    """
+
+
+class ReentrantCallError(KVOffloadError, RuntimeError):
+    """The manager was called from inside one of its own policy's methods."""

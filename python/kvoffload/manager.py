@@ -11,14 +11,14 @@ from typing import Any, ClassVar
 
 from kvoffload import _native, types
 from kvoffload._common import (
-    BUILTIN_POLICIES,
     build_stats,
     check_admission,
     check_constructor_args,
     config_info_of,
     resolve_policy,
 )
-from kvoffload.errors import InvalidArgumentError, InvalidKeyError, UnsupportedPolicyError
+from kvoffload.errors import InvalidArgumentError, InvalidKeyError
+from kvoffload.policies import status_class_for
 from kvoffload.shadow import HitCounts, ShadowSet, as_key_list
 from kvoffload.types import (
     CacheHitSource,
@@ -39,6 +39,22 @@ class CPUOffloadingManager:
 
     A drop-in for vLLM 0.33.0's ``CPUOffloadingManager``: same constructor, calls, results,
     events and stats. Illegal calls raise a :class:`kvoffload.KVOffloadError` and change nothing.
+
+    ``cache_policy`` names a built-in policy (run in Rust), a name registered with
+    `kvoffload.policies.CachePolicyFactory`, or (with ``cache_policy_module_path``) a class
+    with vLLM's ``CachePolicy`` interface. Such a Python policy is called exactly where vLLM's
+    manager calls it, except ``get``, which is never needed. When one of its methods raises, the
+    exception propagates unchanged and:
+
+    - ``prepare_load`` and ``prepare_store`` change nothing of the manager's state (pins,
+      request state, admission counts, stats), with one exception: if the policy's ``insert``
+      raises after its ``evict`` succeeded, the evicted keys stay evicted (the policy dropped
+      them) and their removal event is queued;
+    - ``complete_load``, ``complete_store``, ``touch``, ``on_request_finished`` and
+      ``reset_cache`` complete, and every later policy method of the call is still made, so
+      the manager and the policy agree; the first exception is then raised;
+    - an ``evict`` answer that breaks the contract raises `kvoffload.PolicyError`;
+    - a policy method that calls back into its manager gets `kvoffload.ReentrantCallError`.
     """
 
     #: Where the result classes come from (``LookupResult``, ``PrepareStoreOutput``,
@@ -67,13 +83,12 @@ class CPUOffloadingManager:
     ) -> None:
         check_constructor_args(num_chunks, store_threshold, max_tracker_size)
         check_admission(admission)
-        policy = resolve_policy(cache_policy, cache_policy_module_path)
-        if not isinstance(policy, str):
-            raise UnsupportedPolicyError(
-                f"the Rust manager runs the built-in policies only ({', '.join(BUILTIN_POLICIES)});"
-                f" for the out-of-tree policy {cache_policy!r} use "
-                "kvoffload.reference.CPUOffloadingManager"
-            )
+        resolved = resolve_policy(cache_policy, cache_policy_module_path)
+        policy: Any = resolved
+        status_class: type | None = None
+        if not isinstance(resolved, str):
+            policy = resolved(cache_capacity=num_chunks)
+            status_class = status_class_for(resolved)
         if shadow_policies and type(self) is not _ShadowedManager:
             raise InvalidArgumentError("shadow_policies is not supported by this manager class")
         self.medium: Medium = self._types.Medium.CPU
@@ -85,10 +100,16 @@ class CPUOffloadingManager:
             max_tracker_size,
             None if self._types is types else self._types,
             admission,
+            status_class,
         )
         self._num_chunks = num_chunks
         self._config_info = config_info_of(info)
         self._lock = threading.Lock()
+
+    @property
+    def policy(self) -> Any:
+        """The Python policy object this manager drives (None for a built-in policy)."""
+        return self._core.python_policy
 
     @property
     def lock(self) -> threading.Lock:
@@ -125,7 +146,7 @@ class CPUOffloadingManager:
 
     def touch(self, keys: Iterable[bytes], req_context: Any) -> None:
         """Mark keys as recently used (forwarded to the policy)."""
-        self._core.touch(keys)
+        self._core.touch(keys, req_context)
 
     def complete_load(self, keys: Iterable[bytes], req_context: Any) -> None:
         """Release the pins of finished loads."""

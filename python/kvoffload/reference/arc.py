@@ -65,7 +65,7 @@ class ArcPolicy(CachePolicy):
         for key in reversed(keys):
             status = self.t1.get(key)
             if status is not None:
-                if status.is_readable:
+                if status.is_ready:
                     del self.t1[key]
                     self.t2[key] = status
                 else:
@@ -107,7 +107,7 @@ class ArcPolicy(CachePolicy):
         def candidates(lst: OrderedDict[bytes, ChunkStatus]) -> Iterator[bytes]:
             # Oldest first; a key skipped once stays ineligible for this call, so each list is
             # walked at most once however many victims are taken.
-            return (k for k, s in lst.items() if s.is_ready and k not in protected)
+            return (k for k, s in lst.items() if s.is_evictable and k not in protected)
 
         t1_candidates, t2_candidates = candidates(self.t1), candidates(self.t2)
         virtual_t1_size = len(self.t1)

@@ -84,7 +84,7 @@ class VllmArcWithSwitches(ArcPolicy):
         self._not_ready = 0
 
     def _oldest(self, lst: OrderedDict[bytes, ChunkStatus], protected: Set[bytes]) -> bytes | None:
-        return next((k for k, s in lst.items() if s.is_ready and k not in protected), None)
+        return next((k for k, s in lst.items() if s.is_evictable and k not in protected), None)
 
     def _replace(self, protected: Set[bytes]) -> tuple[bytes, ChunkStatus] | None:
         """Evict one key into its ghost list by the paper's (or vLLM's) rule."""
@@ -107,7 +107,7 @@ class VllmArcWithSwitches(ArcPolicy):
         if not (self.paper_replace or self.paper_directory):
             return super().evict(n, protected)
         ready = len(self.t1) + len(self.t2) - self._not_ready
-        ready -= sum(1 for k in protected if (s := self.get(k)) is not None and s.is_ready)
+        ready -= sum(1 for k in protected if (s := self.get(k)) is not None and s.is_evictable)
         if ready < n:
             return None
         victims: list[tuple[bytes, ChunkStatus]] = []

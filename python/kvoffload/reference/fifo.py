@@ -35,7 +35,7 @@ class FifoPolicy(OwnPolicy):
         for key, status in self.entries.items():
             if len(victims) == n:
                 break
-            if status.is_ready and key not in protected:
+            if status.is_evictable and key not in protected:
                 victims.append(key)
         if len(victims) < n:
             return None

@@ -79,7 +79,7 @@ class LruPolicy(CachePolicy):
 
     def _set_rank(self, key: bytes, entry: _Entry, rank: Rank) -> None:
         entry.rank = rank
-        if entry.status.is_ready:
+        if entry.status.is_evictable:
             self._push(key, entry)
 
     def _push(self, key: bytes, entry: _Entry) -> None:
@@ -89,7 +89,7 @@ class LruPolicy(CachePolicy):
 
     def _rebuild_heap(self) -> None:
         self._heap = [
-            (e.rank[0], e.rank[1], key) for key, e in self._entries.items() if e.status.is_ready
+            (e.rank[0], e.rank[1], key) for key, e in self._entries.items() if e.status.is_evictable
         ]
         heapq.heapify(self._heap)
 
@@ -97,7 +97,7 @@ class LruPolicy(CachePolicy):
         entry = self._entries.get(item[2])
         return (
             entry is not None
-            and entry.status.is_ready
+            and entry.status.is_evictable
             and entry.rank[0] == item[0]
             and entry.rank[1] == item[1]
         )
@@ -118,7 +118,7 @@ class LruPolicy(CachePolicy):
             rank = (self._request_rank(req_context), -position)
         entry = _Entry(status, rank)
         self._entries[key] = entry
-        if status.is_ready:
+        if status.is_evictable:
             self._push(key, entry)
 
     def remove(self, key: bytes) -> None:
@@ -218,6 +218,6 @@ class LruPolicy(CachePolicy):
                 f"LRU: rank {entry.rank} of {key!r} was not issued (next rank {self._next_rank})",
             )
             require(
-                not entry.status.is_ready or (major, minor, key) in live,
+                not entry.status.is_evictable or (major, minor, key) in live,
                 f"LRU: ready key {key!r} has no live heap item",
             )

@@ -282,14 +282,14 @@ class CPUOffloadingManager:
         status = self._policy.get(_as_key(key))
         if status is None:
             return LookupResult.MISS
-        return LookupResult.HIT if status.is_readable else LookupResult.HIT_PENDING
+        return LookupResult.HIT if status.is_ready else LookupResult.HIT_PENDING
 
     def lookup_prefix(self, keys: Iterable[bytes], req_context: RequestContext) -> int:
         """How many leading keys are HIT."""
         hits = 0
         for key in _as_keys(keys):
             status = self._policy.get(key)
-            if status is None or not status.is_readable:
+            if status is None or not status.is_ready:
                 break
             hits += 1
         return hits
@@ -307,7 +307,7 @@ class CPUOffloadingManager:
         statuses = []
         for key in key_list:
             status = self._policy.get(key)
-            if status is None or not status.is_readable:
+            if status is None or not status.is_ready:
                 what = "absent" if status is None else "pending"
                 raise KeyStateError(f"cannot load key {key!r}: it is {what}")
             statuses.append(status)
@@ -364,7 +364,7 @@ class CPUOffloadingManager:
             status = self._policy.get(key)
             if status is None:
                 candidates.append(key)
-            elif status.is_readable:
+            elif status.is_ready:
                 existing.add(key)
         tracker, sketch = self._tracker, self._sketch
         if tracker is not None:
@@ -540,6 +540,11 @@ class CPUOffloadingManager:
             return state
         return {"policy": type(policy).__name__}
 
+    @property
+    def policy(self) -> CachePolicy:
+        """The policy object this manager drives."""
+        return self._policy
+
     def resident(self) -> dict[bytes, tuple[int, int]]:
         """``key -> (chunk_id, ref_cnt)`` for every resident key (ref -1: pending)."""
         return {key: (status.chunk_id, status.ref_cnt) for key, status in self._policy.items()}
@@ -607,4 +612,6 @@ class CPUOffloadingManager:
         )
         if self._tracker is not None:
             self._tracker.check_invariants()
-        self._policy.check_invariants()
+        check_policy = getattr(self._policy, "check_invariants", None)
+        if callable(check_policy):  # an out-of-tree policy may have none
+            check_policy()

@@ -12,11 +12,12 @@ the manager's ``resident()`` and ``check_invariants()`` enumerate residents thro
 from __future__ import annotations
 
 import operator
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Iterator, Sequence, Set
-from typing import Any, Protocol, TypeVar
 
 from kvoffload.errors import InvalidArgumentError, InvariantViolation
+from kvoffload.policies import CachePolicy as BaseCachePolicy
+from kvoffload.policies import ChunkStatus, RequestContext
 
 __all__ = [
     "CachePolicy",
@@ -28,44 +29,6 @@ __all__ = [
     "require",
     "sorted_by_position",
 ]
-
-_T = TypeVar("_T")
-
-
-class RequestContext(Protocol):
-    """What the manager and the policies use of a request context (vLLM's ``ReqContext`` fits)."""
-
-    def get_state(self, cls: type[_T]) -> _T | None:
-        """Return the value stored under ``cls``, or None."""
-
-    def set_state(self, val: Any) -> None:
-        """Store ``val`` under its own type."""
-
-    def get_offload_key_position(self, key: bytes) -> int | None:
-        """Return the end-token position of ``key`` in this request, or None."""
-
-
-class ChunkStatus:
-    """One resident chunk: its pool slot and its ref count (-1 pending, 0 ready, n > 0 pinned)."""
-
-    __slots__ = ("chunk_id", "ref_cnt")
-
-    def __init__(self, chunk_id: int, ref_cnt: int = -1) -> None:
-        self.chunk_id = chunk_id
-        self.ref_cnt = ref_cnt
-
-    @property
-    def is_ready(self) -> bool:
-        """True when the chunk is readable and nobody pins it, i.e. it may be evicted."""
-        return self.ref_cnt == 0
-
-    @property
-    def is_readable(self) -> bool:
-        """True once the store completed (ready or pinned)."""
-        return self.ref_cnt >= 0
-
-    def __repr__(self) -> str:
-        return f"ChunkStatus(chunk_id={self.chunk_id}, ref_cnt={self.ref_cnt})"
 
 
 def position_of(req_context: RequestContext, key: bytes) -> int | None:
@@ -101,83 +64,28 @@ def finished_key_order(
     return sorted_by_position([key for group in groups for key in group], req_context)
 
 
-class CachePolicy(ABC):
-    """Decides which resident chunks to evict. Method names and roles follow vLLM 0.33.0.
+class CachePolicy(BaseCachePolicy):
+    """`kvoffload.policies.CachePolicy` plus what the reference manager's introspection needs.
 
-    Call protocol of the manager:
-
-    - ``insert`` a key as pending (``ref_cnt == -1``); the key is absent before.
-    - ``mark_evictable(key)`` right after its ``ref_cnt`` became 0 (store completed, or the last
-      load finished); ``mark_non_evictable(key)`` right after it went from 0 to 1.
-    - ``remove`` a pending key whose store failed (no eviction bookkeeping, e.g. no ARC ghost).
-    - ``evict(n, protected)`` is all-or-nothing: it removes and returns exactly ``n`` ready keys
-      not in ``protected``, in eviction order, or returns None and changes nothing.
-    - ``clear`` drops everything (``reset_cache``).
-    - ``items`` lists the resident keys; the manager uses it only for introspection and
-      ``check_invariants``.
+    The reference manager drives any policy with vLLM's method set; ``items()`` (listing the
+    resident keys) serves only its ``resident()`` and ``check_invariants()``, and
+    ``check_invariants()`` lets a policy verify its own structures. kvoffload's own policies
+    implement both.
     """
-
-    def __init__(self, cache_capacity: int) -> None:
-        self.cache_capacity = cache_capacity
 
     @abstractmethod
     def get(self, key: bytes) -> ChunkStatus | None:
         """Return the status of a resident key, or None when it is absent."""
 
     @abstractmethod
-    def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
-        """Add an absent key (pending) on behalf of ``req_context``."""
-
-    @abstractmethod
-    def remove(self, key: bytes) -> None:
-        """Drop a key whose store failed."""
-
-    @abstractmethod
-    def touch(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Mark keys as recently used; the first key is the most recent."""
-
-    def on_store_miss(self, keys: Sequence[bytes], req_context: RequestContext) -> None:
-        """Handle a request offering absent keys for the first time (default: a touch)."""
-        self.touch(keys, req_context)
-
-    def on_request_access(  # noqa: B027 (an optional hook: the default does nothing)
-        self, keys: Sequence[bytes], req_context: RequestContext
-    ) -> None:
-        """Handle a request recording keys it had not seen before, in call order (default: none)."""
-
-    def on_request_finished(
-        self,
-        groups: Sequence[Sequence[bytes]],
-        inserted_only: Set[bytes],
-        reused: Set[bytes],
-        req_context: RequestContext,
-    ) -> None:
-        """Handle a finished request: its keys per KV group, and which it inserted or reused.
-
-        The default touches each group in turn, in ascending group order.
-        """
-        for group in groups:
-            self.touch(group, req_context)
-
-    @abstractmethod
     def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
         """Remove and return ``n`` ready, unprotected keys in eviction order, or None."""
-
-    @abstractmethod
-    def clear(self) -> None:
-        """Forget every key and all ordering state."""
-
-    def mark_evictable(self, key: bytes) -> None:  # noqa: B027 (optional hook)
-        """Note that the key's ref count just became 0 (default: nothing)."""
-
-    def mark_non_evictable(self, key: bytes) -> None:  # noqa: B027 (optional hook)
-        """Note that the key's ref count just went from 0 to 1 (default: nothing)."""
 
     @abstractmethod
     def items(self) -> Iterator[tuple[bytes, ChunkStatus]]:
         """Iterate over every resident key with its status (any order)."""
 
-    def check_invariants(self) -> None:  # noqa: B027 (optional hook)
+    def check_invariants(self) -> None:
         """Raise `kvoffload.errors.InvariantViolation` if internal structures disagree."""
 
 

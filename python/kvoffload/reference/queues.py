@@ -56,12 +56,12 @@ class Queues:
         self.lens[queue] += 1
 
     def first_candidate(
-        self, queue: str, is_ready: Callable[[bytes], bool], skip: Callable[[bytes], bool]
+        self, queue: str, is_evictable: Callable[[bytes], bool], skip: Callable[[bytes], bool]
     ) -> bytes | None:
         """The oldest ready key of ``queue`` not skipped; the not-ready keys before it park."""
         to_park, found = [], None
         for key in self.linked[queue]:
-            if not is_ready(key):
+            if not is_evictable(key):
                 to_park.append(key)
             elif not skip(key):
                 found = key
@@ -105,7 +105,7 @@ class QueuePolicy(OwnPolicy):
     queues: Queues
 
     def _ready(self, key: bytes) -> bool:
-        return self.entries[key].is_ready
+        return self.entries[key].is_evictable
 
     def mark_evictable(self, key: bytes) -> None:
         """A parked key that is ready again re-enters at its queue's oldest end."""

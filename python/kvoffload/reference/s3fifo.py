@@ -48,7 +48,7 @@ class S3FifoPolicy(OwnPolicy):
         """The oldest ready, unprotected key of ``queue``; keys not ready before it are parked."""
         parked, found = [], None
         for key in queue:
-            if not self.entries[key].is_ready:
+            if not self.entries[key].is_evictable:
                 parked.append(key)
             elif key not in protected:
                 found = key

@@ -95,7 +95,7 @@ class SievePolicy(OwnPolicy):
                 if cur is None:
                     break
             nxt = self.newer[cur]
-            if not self.entries[cur].is_ready:
+            if not self.entries[cur].is_evictable:
                 self.hand = nxt
                 self._unlink(cur)
                 self.parked.add(cur)
@@ -157,6 +157,6 @@ class SievePolicy(OwnPolicy):
         )
         require(self.hand is None or self.hand in self.newer, "sieve: hand outside the queue")
         require(
-            all(not self.entries[key].is_ready for key in self.parked),
+            all(not self.entries[key].is_evictable for key in self.parked),
             "sieve: a ready key is parked",
         )

@@ -61,7 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated cache policies (lru,arc); built in: {','.join(BUILTIN_POLICIES)}",
     )
     add("--impl", default=sim.impl, help="rust, reference or module:Class (rust)")
-    add("--cache-policy-module-path", help="module of an out-of-tree policy (reference impl)")
+    add(
+        "--cache-policy-module-path",
+        help="module of an out-of-tree policy class (vLLM's CachePolicy interface)",
+    )
     add("--sizes", type=_csv_ints, help="cache sizes in chunks (default: fractions of the WSS)")
     add("--chunks", type=int, help="size of the side-by-side table (default: a middle size)")
     add("--requests", type=int, default=gen.requests, help="generated requests (%(default)s)")

@@ -30,6 +30,9 @@ pub enum CoreError {
     SharedRegion(String),
     /// The host pool was closed.
     Closed(String),
+    /// An external (plug-in) policy raised or broke its contract; the manager undid the call
+    /// as far as the policy allowed (see `Manager::with_policy`).
+    Policy(String),
 }
 
 impl fmt::Display for CoreError {
@@ -45,7 +48,8 @@ impl fmt::Display for CoreError {
             | CoreError::Os(m)
             | CoreError::PageLock(m)
             | CoreError::SharedRegion(m)
-            | CoreError::Closed(m) => f.write_str(m),
+            | CoreError::Closed(m)
+            | CoreError::Policy(m) => f.write_str(m),
         }
     }
 }

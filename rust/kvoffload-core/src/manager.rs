@@ -177,6 +177,9 @@ pub struct RawStats {
     pub stores_skipped: Option<u64>,
 }
 
+/// What `prepare_store` placed: victims, their keys, and the candidates' chunks.
+type Placed = (Vec<ChunkId>, Vec<KeyBuf>, Vec<ChunkId>);
+
 /// Status of one offered key at the start of `prepare_store`.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Offered {
@@ -204,18 +207,42 @@ pub struct Manager {
     /// `protect[c] == protect_stamp` marks chunk `c` protected in the current eviction.
     protect: Vec<u64>,
     protect_stamp: u64,
+    /// The policy is external (plug-in code that may fail): calls check it and undo their
+    /// changes when it does, and ref-count changes are mirrored to it.
+    external: bool,
 }
 
 impl Manager {
     /// A manager with an empty cache.
     pub fn new(config: &ManagerConfig) -> Result<Self> {
+        Self::build(config, config.policy.build(config.num_chunks), false)
+    }
+
+    /// A manager driving an external `policy` (`config.policy` is ignored).
+    ///
+    /// An external policy may fail any call ([`CachePolicy::failed`]); the manager then returns
+    /// [`CoreError::Policy`] and undoes its own changes of that call:
+    /// - `prepare_load`: nothing is pinned; pins already reported are reported released.
+    /// - `prepare_store`: the offer is neither counted nor recorded; keys already inserted are
+    ///   removed again and their chunks go back to the pool as they were. Chunks the policy
+    ///   evicted before the failure stay evicted (the policy has dropped them): they are freed
+    ///   and their removal event is queued.
+    /// - `complete_load`, `complete_store`, `touch`, `on_request_finished`, `reset_cache`: the
+    ///   call completes; the failure is for the caller to report afterwards.
+    ///
+    /// An eviction that breaks the contract (not exactly `n` distinct, ready, unprotected,
+    /// resident chunks) is refused the same way.
+    pub fn with_policy(config: &ManagerConfig, policy: Box<dyn CachePolicy>) -> Result<Self> {
+        Self::build(config, policy, true)
+    }
+
+    fn build(config: &ManagerConfig, policy: Box<dyn CachePolicy>, external: bool) -> Result<Self> {
         if config.store_threshold >= 2 && config.max_tracker_size == 0 {
             return Err(CoreError::InvalidArgument(
                 "max_tracker_size must be >= 1 when store_threshold >= 2".into(),
             ));
         }
         let n = config.num_chunks;
-        let policy = config.policy.build(n);
         Ok(Self {
             id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
             generation: 0,
@@ -233,7 +260,38 @@ impl Manager {
             stores_skipped: 0,
             protect: Vec::new(),
             protect_stamp: 0,
+            external,
         })
+    }
+
+    /// The policy (a binding reaches its external policy through [`CachePolicy::as_any_mut`]).
+    pub fn policy_mut(&mut self) -> &mut dyn CachePolicy {
+        &mut *self.policy
+    }
+
+    /// Whether an external policy reported a failure (always `false` for built-in ones).
+    fn policy_failed(&mut self) -> bool {
+        self.external && self.policy.failed()
+    }
+
+    /// Tell an external policy chunk `c`'s current ref count.
+    fn mirror_ref(&mut self, c: ChunkId) {
+        if self.external {
+            self.policy.set_ref(c, self.refs.raw(c));
+        }
+    }
+
+    /// Release one pin of each chunk, last first, reporting those back at 0 as evictable
+    /// (undoing a failed `prepare_load`; failures of these reports are not checked).
+    fn undo_pins(&mut self, chunks: &[ChunkId]) {
+        for &c in chunks.iter().rev() {
+            let zero = self.refs.unpin(c);
+            self.mirror_ref(c);
+            if zero {
+                self.policy.mark_evictable(c);
+            }
+        }
+        self.policy.failed();
     }
 
     // --- request state ---
@@ -359,14 +417,27 @@ impl Manager {
         let mut call = Call::new(keys, &hashes, positions, req);
         call.check_may_record(req, 0..keys.len())?;
 
-        for &c in &chunks {
+        for (n, &c) in chunks.iter().enumerate() {
             if self.refs.pin(c) {
                 self.policy.mark_non_evictable(c);
+                if self.policy_failed() {
+                    // Its report failed: release it silently, then undo the reported ones.
+                    self.refs.unpin(c);
+                    self.undo_pins(&chunks[..n]);
+                    return Err(policy_error("mark_non_evictable"));
+                }
             }
+            self.mirror_ref(c);
         }
         let all: Scratch<usize> = (0..keys.len()).collect();
         let resident: Scratch<Option<ChunkId>> = chunks.iter().copied().map(Some).collect();
-        self.record(req, &mut call, &resident, &all, &all);
+        let mark = req.seen.len();
+        if !self.record_new(req, &mut call, &resident, &all) {
+            req.truncate(mark);
+            self.undo_pins(&chunks);
+            return Err(policy_error("on_request_access"));
+        }
+        mark_reused(req, &call, &all);
         Ok(chunks)
     }
 
@@ -396,7 +467,9 @@ impl Manager {
             }
         }
         for &c in &chunks {
-            if self.refs.unpin(c) {
+            let zero = self.refs.unpin(c);
+            self.mirror_ref(c);
+            if zero {
                 self.policy.mark_evictable(c);
             }
         }
@@ -462,18 +535,10 @@ impl Manager {
         let mut call = Call::new(keys, &hashes, positions, req);
         call.check_may_record(req, recorded.iter().copied())?;
 
-        // 1-3: count the offer, drop candidates below the threshold.
-        self.count_offer(keys, &sketch_hashes, req);
+        // 1-3: the candidates are the absent keys the threshold admits.
         let candidates: Scratch<usize> = (0..keys.len())
             .filter(|&i| status[i] == Offered::Absent { admitted: true })
             .collect();
-        if self.tracker.is_some() || self.sketch.is_some() {
-            let absent = status
-                .iter()
-                .filter(|s| matches!(s, Offered::Absent { .. }))
-                .count();
-            self.stores_skipped += (absent - candidates.len()) as u64;
-        }
         // 4: report misses this request has not reported yet.
         let new_misses: Scratch<usize> = candidates
             .iter()
@@ -484,13 +549,11 @@ impl Manager {
             let misses: Scratch<Access<'_>> =
                 new_misses.iter().map(|&i| call.access(i, None)).collect();
             self.policy.on_store_miss(&misses);
+            if self.policy_failed() {
+                return Err(policy_error("on_store_miss"));
+            }
         }
-        // 5: record the access; readable keys count as reused.
-        let readable: Scratch<usize> = recorded
-            .iter()
-            .copied()
-            .filter(|&i| matches!(status[i], Offered::Readable(_)))
-            .collect();
+        // 5: record the access (the flags are set once nothing can fail any more).
         let resident: Scratch<Option<ChunkId>> = status
             .iter()
             .map(|s| match *s {
@@ -498,23 +561,45 @@ impl Manager {
                 Offered::Absent { .. } => None,
             })
             .collect();
-        self.record(req, &mut call, &resident, &recorded, &readable);
-        for &i in &new_misses {
-            if let Some(j) = call.slots[i] {
-                req.seen[j as usize].flags |= REPORTED;
-            }
+        let mark = req.seen.len();
+        if !self.record_new(req, &mut call, &resident, &recorded) {
+            req.truncate(mark);
+            return Err(policy_error("on_request_access"));
         }
+        // 8-9: make room, evict, allocate, insert.
+        let placed = if candidates.is_empty() {
+            None
+        } else {
+            match self.make_room_and_place(&call, &candidates, &status, req) {
+                Ok(placed) => placed,
+                Err(e) => {
+                    req.truncate(mark);
+                    return Err(e);
+                }
+            }
+        };
+        // The call stands: count the offer and set the request's flags.
+        let absent = status
+            .iter()
+            .filter(|s| matches!(s, Offered::Absent { .. }))
+            .count();
+        self.count_offer(keys, &sketch_hashes, req, absent - candidates.len());
+        let readable: Scratch<usize> = recorded
+            .iter()
+            .copied()
+            .filter(|&i| matches!(status[i], Offered::Readable(_)))
+            .collect();
+        mark_reused(req, &call, &readable);
+        set_flag(req, &call, &new_misses, REPORTED);
         // 6-7.
         if candidates.is_empty() {
             return Ok(Some(StoreOutcome::default()));
         }
         self.allocation_sizes.push(candidates.len() as u64);
-        // 8: make room; 9: evict, allocate, insert.
-        let Some(victims) = self.make_room(candidates.len(), &status) else {
+        let Some((victims, evicted, chunks)) = placed else {
             return Ok(None);
         };
-        let evicted = self.evict_chunks(&victims);
-        let chunks = self.place(&call, &candidates, req);
+        set_flag(req, &call, &candidates, INSERTED);
         Ok(Some(StoreOutcome {
             to_store: candidates.to_vec(),
             chunks,
@@ -538,6 +623,7 @@ impl Manager {
             }
             if success {
                 self.refs.complete_store(c);
+                self.mirror_ref(c);
                 self.policy.mark_evictable(c);
                 if keep {
                     done.push(KeyBuf::from_slice(k));
@@ -697,8 +783,10 @@ impl Manager {
             s.validate()?;
         }
         let (fresh, free) = self.pool.state();
+        // Slots past the ids handed out exist only after an undone allocation, and are empty.
         ensure!(
-            self.slots.len() == fresh as usize,
+            self.slots.len() >= fresh as usize
+                && self.slots[fresh as usize..].iter().all(|s| !s.resident),
             "manager: per-chunk arrays out of step with the pool"
         );
         let mut n = 0;
@@ -759,8 +847,17 @@ impl Manager {
     }
 
     /// Count an offer: the tracker counts every offer; the sketch counts each key once per
-    /// request, after a reset that is due.
-    fn count_offer(&mut self, keys: &[&[u8]], sketch_hashes: &[u64], req: &mut RequestState) {
+    /// request, after a reset that is due. `skipped`: absent keys the threshold dropped.
+    fn count_offer(
+        &mut self,
+        keys: &[&[u8]],
+        sketch_hashes: &[u64],
+        req: &mut RequestState,
+        skipped: usize,
+    ) {
+        if self.tracker.is_some() || self.sketch.is_some() {
+            self.stores_skipped += skipped as u64;
+        }
         if let Some(t) = &mut self.tracker {
             t.record(keys.iter().copied());
         }
@@ -774,14 +871,35 @@ impl Manager {
         }
     }
 
+    /// Evict for and place the candidates: `(victims, their keys, the candidates' chunks)`, or
+    /// `None` when no room can be made. `Err`: an external policy failed (evictions it made
+    /// before an `insert` failed stand).
+    fn make_room_and_place(
+        &mut self,
+        call: &Call<'_>,
+        candidates: &[usize],
+        status: &[Offered],
+        req: &mut RequestState,
+    ) -> Result<Option<Placed>> {
+        let Some(victims) = self.make_room(candidates.len(), status)? else {
+            return Ok(None);
+        };
+        let evicted = self.evict_chunks(&victims);
+        let chunks = self
+            .place(call, candidates, req)
+            .ok_or_else(|| policy_error("insert"))?;
+        Ok(Some((victims, evicted, chunks)))
+    }
+
     /// Evict enough chunks (never one of the offer's) for `n` candidates; `None` if impossible.
-    fn make_room(&mut self, n: usize, status: &[Offered]) -> Option<Vec<ChunkId>> {
+    /// `Err`: an external policy failed or chose victims it may not.
+    fn make_room(&mut self, n: usize, status: &[Offered]) -> Result<Option<Vec<ChunkId>>> {
         let Some(shortfall) = n.checked_sub(self.pool.num_free()).filter(|&s| s > 0) else {
-            return Some(Vec::new());
+            return Ok(Some(Vec::new()));
         };
         let mut victims = Vec::with_capacity(shortfall);
         if shortfall > self.refs.num_evictable() {
-            return None;
+            return Ok(None);
         }
         self.protect_stamp += 1;
         let stamp = self.protect_stamp;
@@ -795,17 +913,58 @@ impl Manager {
         // Fewer ready, unprotected chunks than needed: no policy could evict enough. (Offered
         // keys are distinct, so each protected chunk is counted once.)
         if shortfall > self.refs.num_evictable() - protected_ready {
-            return None;
+            return Ok(None);
         }
         let protect = &self.protect;
-        self.policy
-            .evict(
-                shortfall,
-                &|c| protect[c as usize] == stamp,
-                &self.slots,
-                &mut victims,
-            )
-            .then_some(victims)
+        let evicted = self.policy.evict(
+            shortfall,
+            &|c| protect[c as usize] == stamp,
+            &self.slots,
+            &mut victims,
+        );
+        if self.policy_failed() {
+            return Err(policy_error("evict"));
+        }
+        if !evicted {
+            return Ok(None);
+        }
+        if self.external {
+            self.check_victims(shortfall, &victims)?;
+        }
+        Ok(Some(victims))
+    }
+
+    /// An external policy's victims must be exactly `n` distinct, resident, ready and
+    /// unprotected chunks.
+    fn check_victims(&self, n: usize, victims: &[ChunkId]) -> Result<()> {
+        let broken = |why: String| {
+            Err(CoreError::Policy(format!(
+                "the policy's evict({n}) broke its contract: {why}; nothing was evicted"
+            )))
+        };
+        if victims.len() != n {
+            return broken(format!("it returned {} chunks", victims.len()));
+        }
+        for (i, &c) in victims.iter().enumerate() {
+            let resident = self.slots.get(c as usize).is_some_and(|s| s.resident);
+            if !resident {
+                return broken(format!("chunk {c} holds no key"));
+            }
+            let key = show_key(&self.slots[c as usize].key);
+            if victims[..i].contains(&c) {
+                return broken(format!("it returned {key} twice"));
+            }
+            if self.protect[c as usize] == self.protect_stamp {
+                return broken(format!("{key} is protected (offered in this call)"));
+            }
+            if self.refs.raw(c) != 0 {
+                return broken(format!(
+                    "{key} is not evictable (ref count {})",
+                    self.refs.raw(c)
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Drop chosen victims, free their chunks (in order) and queue one removal event.
@@ -822,6 +981,9 @@ impl Manager {
             self.refs.remove(c);
             evicted.push(self.unindex(c));
             self.pool.free(c);
+            if self.external {
+                self.policy.forget(c);
+            }
         }
         if !evicted.is_empty() {
             if let Some(events) = &mut self.events {
@@ -835,27 +997,36 @@ impl Manager {
         evicted
     }
 
-    /// Allocate chunks for the candidates and insert them, pending, into the policy.
+    /// Allocate chunks for the candidates and insert them, pending, into the policy. `None`:
+    /// an external policy failed an insert, and the candidates were taken out again.
     fn place(
         &mut self,
         call: &Call<'_>,
         candidates: &[usize],
         req: &mut RequestState,
-    ) -> Vec<ChunkId> {
+    ) -> Option<Vec<ChunkId>> {
         let mut chunks = Vec::with_capacity(candidates.len());
+        let (fresh_before, _) = self.pool.state();
         let placed = self.pool.allocate(candidates.len(), &mut chunks);
         debug_assert!(placed, "room was made for every candidate");
         let (used, _) = self.pool.state();
         self.grow(used as usize);
-        for (&i, &c) in candidates.iter().zip(&chunks) {
+        for (n, (&i, &c)) in candidates.iter().zip(&chunks).enumerate() {
             self.index_key(c, call.keys[i], call.hashes[i]);
             self.refs.insert_pending(c);
             self.policy.insert(c, call.access(i, None), &mut req.rank);
-            if let Some(j) = call.slots[i] {
-                req.seen[j as usize].flags |= INSERTED;
+            if self.policy_failed() {
+                for &c in chunks[..=n].iter().rev() {
+                    self.policy.remove(c);
+                    self.refs.remove(c);
+                    self.unindex(c);
+                }
+                self.policy.failed();
+                self.pool.undo_allocate(&chunks, fresh_before);
+                return None;
             }
         }
-        chunks
+        Some(chunks)
     }
 
     fn grow(&mut self, n: usize) {
@@ -886,17 +1057,17 @@ impl Manager {
         key
     }
 
-    /// Record a request's access to `keys[i]` for `i` in `which` (call order); those in `reused`
-    /// become reused unless the request inserted them. New keys go to `on_request_access`.
-    /// `resident[i]` is the chunk of `keys[i]` at this moment.
-    fn record(
+    /// Record a request's access to `keys[i]` for `i` in `which` (call order): keys new to the
+    /// request are added to its state and go to `on_request_access`. `resident[i]` is the chunk
+    /// of `keys[i]` at this moment. `false`: an external policy failed (the caller truncates
+    /// the request's state).
+    fn record_new(
         &mut self,
         req: &mut RequestState,
         call: &mut Call<'_>,
         resident: &[Option<ChunkId>],
         which: &[usize],
-        reused: &[usize],
-    ) {
+    ) -> bool {
         req.reserve(which.len());
         let mut new: Scratch<Access<'_>> = SmallVec::new();
         for &i in which {
@@ -914,15 +1085,37 @@ impl Manager {
         if !new.is_empty() {
             self.policy.on_request_access(&new, &mut req.rank);
         }
-        for &i in reused {
-            if let Some(j) = call.slots[i] {
-                let f = &mut req.seen[j as usize].flags;
-                if *f & INSERTED == 0 {
-                    *f |= REUSED;
-                }
+        !self.policy_failed()
+    }
+}
+
+/// Keys `keys[i]` for `i` in `reused`, already recorded, become reused unless the request
+/// inserted them.
+fn mark_reused(req: &mut RequestState, call: &Call<'_>, reused: &[usize]) {
+    for &i in reused {
+        if let Some(j) = call.slots[i] {
+            let f = &mut req.seen[j as usize].flags;
+            if *f & INSERTED == 0 {
+                *f |= REUSED;
             }
         }
     }
+}
+
+/// Set `flag` on the request's entries of `keys[i]` for `i` in `which` (already recorded).
+fn set_flag(req: &mut RequestState, call: &Call<'_>, which: &[usize], flag: u8) {
+    for &i in which {
+        if let Some(j) = call.slots[i] {
+            req.seen[j as usize].flags |= flag;
+        }
+    }
+}
+
+/// The error of a manager call whose external policy failed in `method`.
+fn policy_error(method: &str) -> CoreError {
+    CoreError::Policy(format!(
+        "the cache policy's {method} failed; the call was undone"
+    ))
 }
 
 /// One recording call's keys, resolved once: hashes, positions and each key's entry in the

@@ -62,6 +62,14 @@ impl ChunkPool {
         true
     }
 
+    /// Take back the slots of the last [`allocate`](Self::allocate), which handed out `chunks`
+    /// when `state().0` was `fresh_before`: the pool is as it was before that call.
+    pub fn undo_allocate(&mut self, chunks: &[ChunkId], fresh_before: u32) {
+        let fresh = (self.next_fresh - fresh_before) as usize;
+        self.next_fresh = fresh_before;
+        self.free.extend(chunks[fresh..].iter().rev());
+    }
+
     /// Return a handed-out slot; it is the next one reused.
     pub fn free(&mut self, id: ChunkId) {
         debug_assert!(id < self.next_fresh, "freeing a never-used chunk {id}");
@@ -152,5 +160,21 @@ mod tests {
         p.free.push(1);
         p.free.push(1);
         assert!(p.validate().is_err());
+    }
+
+    #[test]
+    fn undo_allocate_restores_the_pool() {
+        let mut p = ChunkPool::new(4);
+        let a = alloc(&mut p, 3);
+        p.free(a[0]);
+        p.free(a[2]);
+        let before = p.state().0;
+        let snapshot = (p.state().0, p.state().1.to_vec());
+        let b = alloc(&mut p, 3); // fresh 3, then 2 and 0, last freed first
+        assert_eq!(b, vec![3, 2, 0]);
+        p.undo_allocate(&b, before);
+        assert_eq!((p.state().0, p.state().1.to_vec()), snapshot);
+        assert_eq!(alloc(&mut p, 3), vec![3, 2, 0]);
+        p.validate().unwrap();
     }
 }

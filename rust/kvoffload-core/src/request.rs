@@ -88,6 +88,18 @@ impl RequestState {
         self.table.reserve(n, |&j| seen[j as usize].hash);
     }
 
+    /// Forget the keys added after the first `len` (undoing a call that failed).
+    pub(crate) fn truncate(&mut self, len: usize) {
+        while self.seen.len() > len {
+            let i = self.seen.len() - 1;
+            let hash = self.seen[i].hash;
+            if let Ok(entry) = self.table.find_entry(hash, |&j| j as usize == i) {
+                entry.remove();
+            }
+            self.seen.pop();
+        }
+    }
+
     /// Add an unseen key; returns its index.
     pub(crate) fn add(&mut self, key: &[u8], hash: u64) -> usize {
         let i = self.seen.len();

@@ -20,6 +20,7 @@ pub(crate) fn class_name(err: &CoreError) -> &'static str {
         CoreError::PageLock(_) => "PageLockError",
         CoreError::SharedRegion(_) => "SharedRegionError",
         CoreError::Closed(_) => "PoolClosedError",
+        CoreError::Policy(_) => "PolicyError",
     }
 }
 
@@ -74,6 +75,7 @@ pub(crate) fn _raise_core_error(py: Python<'_>, variant: &str) -> PyResult<()> {
         "PageLock" => CoreError::PageLock(msg),
         "SharedRegion" => CoreError::SharedRegion(msg),
         "Closed" => CoreError::Closed(msg),
+        "Policy" => CoreError::Policy(msg),
         other => {
             return Err(raise(
                 py,

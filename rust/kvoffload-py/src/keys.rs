@@ -262,6 +262,11 @@ impl<'py> Context<'py> {
         })
     }
 
+    /// The context object itself.
+    pub(crate) fn object(&self) -> &Bound<'py, PyAny> {
+        &self.obj
+    }
+
     /// `ctx.get_state(cls)`.
     pub(crate) fn get_state(
         &self,

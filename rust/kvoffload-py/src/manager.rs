@@ -1,19 +1,43 @@
 //! `ManagerCore`: the core manager behind a lock, with arguments read in one pass and results
-//! built after the lock is released (no Python runs while a Rust lock is held).
+//! built after the lock is released. With a built-in policy no Python runs while a Rust lock is
+//! held. A Python policy ([`PythonPolicy`]) runs under the lock; then the lock is never waited
+//! for while attached to the interpreter, and a call from inside the policy is refused.
 
 use crate::errors::{poisoned, raise, to_py};
 use crate::keys::{build, one_key, position_value, result_types, Context, Keys, ResultTypes};
+use crate::policy::external::PythonPolicy;
 use crate::policy::state::{state_dict, state_keys};
 use crate::request::RequestState;
 use kvoffload_core::{self as core, Lookup, Manager, ManagerConfig, PolicyKind};
 use numpy::PyArray1;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
-use std::sync::{Mutex, MutexGuard};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
-/// A poisoned lock (only after a panic, which this crate does not raise).
-struct Poisoned;
+/// Why the manager could not be locked.
+enum LockError {
+    /// Poisoned (only after a panic, which this crate does not raise).
+    Poisoned,
+    /// Called from inside its own Python policy.
+    Reentrant,
+}
+
+impl LockError {
+    fn into_py(self, py: Python<'_>) -> PyErr {
+        match self {
+            LockError::Poisoned => poisoned(py),
+            LockError::Reentrant => raise(
+                py,
+                "ReentrantCallError",
+                "the manager was called from inside its own cache policy; a policy must not \
+                 call the manager that drives it"
+                    .into(),
+            ),
+        }
+    }
+}
 
 /// The manager and the Python key object each resident chunk was stored under.
 ///
@@ -44,6 +68,52 @@ impl Core {
         }
         self.keys[i].replace(obj)
     }
+
+    /// The Python policy, when the manager drives one.
+    fn python_policy(&mut self) -> Option<&mut PythonPolicy> {
+        self.manager
+            .policy_mut()
+            .as_any_mut()?
+            .downcast_mut::<PythonPolicy>()
+    }
+
+    /// Hand a Python policy the coming call's context and key objects.
+    fn begin(&mut self, ctx: Option<&Bound<'_, PyAny>>, keys: &[Bound<'_, PyBytes>]) {
+        if let Some(p) = self.python_policy() {
+            p.begin(ctx, keys);
+        }
+    }
+
+    /// End a call; the first exception a Python policy raised in it.
+    fn finish(&mut self) -> Option<PyErr> {
+        self.python_policy().and_then(PythonPolicy::finish)
+    }
+
+    /// Forget the key objects of chunks that are no longer resident (after a call that failed
+    /// part-way); returns them for the caller to drop after the lock.
+    fn forget_evicted(&mut self) -> Vec<Py<PyBytes>> {
+        let mut gone = Vec::new();
+        for c in 0..self.keys.len() {
+            if self.keys[c].is_some() && self.manager.key_of(c as core::ChunkId).is_none() {
+                gone.extend(self.keys[c].take());
+            }
+        }
+        gone
+    }
+}
+
+/// The result of a call whose Python policy may have raised: the policy's own exception first.
+fn settle<T>(py: Python<'_>, result: core::Result<T>, raised: Option<PyErr>) -> PyResult<T> {
+    match raised {
+        Some(err) => Err(err),
+        None => result.map_err(|e| to_py(py, e)),
+    }
+}
+
+/// An address unique to the calling thread while it lives.
+fn thread_mark() -> usize {
+    thread_local!(static MARK: u8 = const { 0 });
+    MARK.with(|m| std::ptr::from_ref(m) as usize)
 }
 
 impl std::ops::Deref for Core {
@@ -64,8 +134,12 @@ impl std::ops::DerefMut for Core {
 #[pyclass(frozen, module = "kvoffload._native")]
 pub(crate) struct ManagerCore {
     inner: Mutex<Core>,
-    /// The built-in policy's name.
-    policy: &'static str,
+    /// The policy's name (a Python policy's class name).
+    policy: String,
+    /// The policy is Python code, which runs while the manager is locked.
+    python_policy: bool,
+    /// With a Python policy: the thread running a call that may run the policy (0: none).
+    busy: AtomicUsize,
     /// Whether the policy reads token positions during calls (LRU does; ARC only at finish).
     reads_positions: bool,
     /// The classes results are built from when not `kvoffload.types`' (vLLM's, say).
@@ -83,22 +157,76 @@ impl ManagerCore {
 
     /// The manager, locked. A poisoned lock's guard is dropped before the Python error is made.
     fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, Core>> {
-        self.inner
-            .lock()
-            .map_err(|_| Poisoned)
-            .map_err(|Poisoned| poisoned(py))
+        self.acquire(py).map_err(|e| e.into_py(py))
     }
 
-    /// Run `f` on the manager and one request's state, both locked; nothing Python runs while
-    /// they are held (errors are converted by the caller after this returns).
+    /// Lock the manager. With a Python policy the holder may be running Python code, so the
+    /// wait happens detached from the interpreter, and a call from inside the policy (the
+    /// holder's own thread) is refused instead of deadlocking.
+    fn acquire(&self, py: Python<'_>) -> Result<MutexGuard<'_, Core>, LockError> {
+        if !self.python_policy {
+            return self.inner.lock().map_err(|_| LockError::Poisoned);
+        }
+        let mut spins = 0u32;
+        loop {
+            match self.inner.try_lock() {
+                Ok(guard) => return Ok(guard),
+                Err(TryLockError::Poisoned(_)) => return Err(LockError::Poisoned),
+                Err(TryLockError::WouldBlock) => {
+                    if self.busy.load(Ordering::Acquire) == thread_mark() {
+                        return Err(LockError::Reentrant);
+                    }
+                    spins += 1;
+                    py.detach(|| {
+                        if spins < 64 {
+                            std::thread::yield_now();
+                        } else {
+                            std::thread::sleep(std::time::Duration::from_micros(50));
+                        }
+                    });
+                }
+            }
+        }
+    }
+
+    /// Run `f` on the manager and one request's state, both locked. With a built-in policy
+    /// nothing Python runs while they are held (errors are converted by the caller after this
+    /// returns).
     fn with_state<R>(
         &self,
+        py: Python<'_>,
         state: &RequestState,
         f: impl FnOnce(&mut Core, &mut core::RequestState) -> R,
-    ) -> Result<R, Poisoned> {
-        let mut m = self.inner.lock().map_err(|_| Poisoned)?;
-        let mut s = state.inner.lock().map_err(|_| Poisoned)?;
+    ) -> PyResult<R> {
+        let mut m = self.lock(py)?;
+        let mut s = state.inner.lock().map_err(|_| poisoned(py))?;
         Ok(f(&mut m, &mut s))
+    }
+
+    /// Run `f` on the locked manager as a call that may run a Python policy, with the call's
+    /// context and key objects; returns `f`'s result and the policy's first exception.
+    fn policy_call<R>(
+        &self,
+        py: Python<'_>,
+        ctx: Option<&Bound<'_, PyAny>>,
+        keys: &[Bound<'_, PyBytes>],
+        state: Option<&RequestState>,
+        f: impl FnOnce(&mut Core, Option<&mut core::RequestState>) -> R,
+    ) -> PyResult<(R, Option<PyErr>)> {
+        let mut m = self.lock(py)?;
+        let mut s = match state {
+            Some(st) => Some(st.inner.lock().map_err(|_| poisoned(py))?),
+            None => None,
+        };
+        if !self.python_policy {
+            return Ok((f(&mut m, s.as_deref_mut()), None));
+        }
+        self.busy.store(thread_mark(), Ordering::Release);
+        m.begin(ctx, keys);
+        let out = f(&mut m, s.as_deref_mut());
+        let raised = m.finish();
+        self.busy.store(0, Ordering::Release);
+        Ok((out, raised))
     }
 
     /// The context's current state for this manager, or a fresh one to install on success.
@@ -110,9 +238,7 @@ impl ManagerCore {
         let cls = py.get_type::<RequestState>();
         if let Some(obj) = ctx.get_state(&cls)? {
             if let Ok(state) = obj.cast_into::<RequestState>() {
-                let current = self
-                    .with_state(state.get(), |m, s| m.is_current(s))
-                    .map_err(|Poisoned| poisoned(py))?;
+                let current = self.with_state(py, state.get(), |m, s| m.is_current(s))?;
                 if current {
                     return Ok((state, false));
                 }
@@ -179,17 +305,15 @@ impl ManagerCore {
             .iter()
             .filter_map(|(k, v)| k.cast_into::<PyBytes>().ok().map(|k| (k, v)))
             .collect();
-        let found = self
-            .with_state(state.get(), |m, s| {
-                (m.is_current(s) && !s.is_finished()).then(|| {
-                    let slots: Vec<Option<usize>> = items
-                        .iter()
-                        .map(|(k, _)| s.index_of(k.as_bytes()))
-                        .collect();
-                    (s.seen_keys().len(), slots)
-                })
+        let found = self.with_state(py, state.get(), |m, s| {
+            (m.is_current(s) && !s.is_finished()).then(|| {
+                let slots: Vec<Option<usize>> = items
+                    .iter()
+                    .map(|(k, _)| s.index_of(k.as_bytes()))
+                    .collect();
+                (s.seen_keys().len(), slots)
             })
-            .map_err(|Poisoned| poisoned(py))?;
+        })?;
         let Some((n, slots)) = found else {
             return Ok(None);
         };
@@ -209,12 +333,10 @@ impl ManagerCore {
         ctx: &Context<'_>,
         state: &Bound<'_, RequestState>,
     ) -> PyResult<Option<Vec<Option<i64>>>> {
-        let seen = self
-            .with_state(state.get(), |m, s| {
-                (m.is_current(s) && !s.is_finished())
-                    .then(|| s.seen_keys().map(<[u8]>::to_vec).collect::<Vec<_>>())
-            })
-            .map_err(|Poisoned| poisoned(py))?;
+        let seen = self.with_state(py, state.get(), |m, s| {
+            (m.is_current(s) && !s.is_finished())
+                .then(|| s.seen_keys().map(<[u8]>::to_vec).collect::<Vec<_>>())
+        })?;
         let Some(seen) = seen else {
             return Ok(None);
         };
@@ -249,21 +371,24 @@ fn spec<'py>(
 
 #[pymethods]
 impl ManagerCore {
+    /// `policy` is a built-in policy's name, or a Python policy object (vLLM's `CachePolicy`
+    /// interface) whose chunk records are built as `status_class(chunk_id)`.
     #[new]
     #[pyo3(signature = (
         num_chunks, policy, enable_events, store_threshold, max_tracker_size, result_types=None,
-        admission="tracker"
+        admission="tracker", status_class=None
     ))]
     #[allow(clippy::too_many_arguments)] // the manager's constructor arguments, one for one
     fn new(
         py: Python<'_>,
         num_chunks: i64,
-        policy: &str,
+        policy: &Bound<'_, PyAny>,
         enable_events: bool,
         store_threshold: i64,
         max_tracker_size: i64,
         result_types: Option<&Bound<'_, PyAny>>,
         admission: &str,
+        status_class: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let admission = match admission {
             "tracker" => core::Admission::Tracker,
@@ -303,29 +428,47 @@ impl ManagerCore {
         } else {
             0
         };
-        let Some(policy) = PolicyKind::from_name(policy) else {
-            return Err(raise(
-                py,
-                "UnsupportedPolicyError",
-                format!("no built-in policy {policy:?}"),
-            ));
-        };
-        let config = ManagerConfig {
+        let mut config = ManagerConfig {
             num_chunks,
-            policy,
+            policy: PolicyKind::Lru,
             enable_events,
             store_threshold,
             max_tracker_size,
             admission,
         };
-        let inner = Manager::new(&config).map_err(|e| to_py(py, e))?;
+        let (inner, name, python_policy) = if let Ok(name) = policy.cast::<PyString>() {
+            let name = name.to_str()?;
+            let Some(kind) = PolicyKind::from_name(name) else {
+                return Err(raise(
+                    py,
+                    "UnsupportedPolicyError",
+                    format!("no built-in policy {name:?}"),
+                ));
+            };
+            config.policy = kind;
+            (Manager::new(&config), kind.name().to_owned(), false)
+        } else {
+            let Some(status_class) = status_class else {
+                return Err(bad("a Python policy needs its status_class".into()));
+            };
+            let external = PythonPolicy::new(policy, status_class);
+            let name = policy.get_type().name()?.to_string();
+            (
+                Manager::with_policy(&config, Box::new(external)),
+                name,
+                true,
+            )
+        };
+        let inner = inner.map_err(|e| to_py(py, e))?;
         Ok(Self {
             inner: Mutex::new(Core {
                 manager: inner,
                 keys: Vec::new(),
             }),
-            policy: policy.name(),
-            reads_positions: policy == PolicyKind::Lru,
+            reads_positions: config.policy == PolicyKind::Lru && !python_policy,
+            policy: name,
+            python_policy,
+            busy: AtomicUsize::new(0),
             types,
         })
     }
@@ -367,12 +510,14 @@ impl ManagerCore {
             ctx.set_state(state.as_any())?;
         }
         let slices = keys.slices();
-        let chunks = self
-            .with_state(state.get(), |m, s| {
-                m.prepare_load(&slices, positions.as_deref(), s)
-            })
-            .map_err(|Poisoned| poisoned(py))?
-            .map_err(|e| to_py(py, e))?;
+        let (chunks, raised) = self.policy_call(
+            py,
+            Some(ctx.object()),
+            &keys.objs,
+            Some(state.get()),
+            |m, s| m.prepare_load(&slices, positions.as_deref(), s.expect("state given")),
+        )?;
+        let chunks = settle(py, chunks, raised)?;
         spec(py, self.types(py)?, &chunks)
     }
 
@@ -380,16 +525,24 @@ impl ManagerCore {
     fn complete_load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
-        let done = self.lock(py)?.complete_load(&slices);
-        done.map_err(|e| to_py(py, e))
+        let (done, raised) =
+            self.policy_call(py, None, &keys.objs, None, |m, _| m.complete_load(&slices))?;
+        settle(py, done, raised)
     }
 
-    /// Forward a touch to the policy.
-    fn touch(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// Forward a touch to the policy (a Python policy gets the context).
+    #[pyo3(signature = (keys, req_context=None))]
+    fn touch(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
-        self.lock(py)?.touch(&slices);
-        Ok(())
+        let ((), raised) =
+            self.policy_call(py, req_context, &keys.objs, None, |m, _| m.touch(&slices))?;
+        settle(py, Ok(()), raised)
     }
 
     /// A `PrepareStoreOutput`, or `None` when the offer cannot be placed.
@@ -409,20 +562,31 @@ impl ManagerCore {
             ctx.set_state(state.as_any())?;
         }
         let slices = keys.slices();
-        let (outcome, evicted_objs) = self
-            .with_state(state.get(), |m, s| {
-                let outcome = m.prepare_store(&slices, positions.as_deref(), s);
+        let ((outcome, evicted_objs, dropped), raised) = self.policy_call(
+            py,
+            Some(ctx.object()),
+            &keys.objs,
+            Some(state.get()),
+            |m, s| {
+                let outcome = m.prepare_store(&slices, positions.as_deref(), s.expect("state"));
                 let mut objs = Vec::new();
-                if let Ok(Some(out)) = &outcome {
-                    objs = m.take_keys(&out.evicted_chunks);
-                    for (&i, &c) in out.to_store.iter().zip(&out.chunks) {
-                        objs.push(m.put_key(c, keys.objs[i].clone().unbind()));
+                let mut dropped = Vec::new();
+                match &outcome {
+                    Ok(Some(out)) => {
+                        objs = m.take_keys(&out.evicted_chunks);
+                        for (&i, &c) in out.to_store.iter().zip(&out.chunks) {
+                            objs.push(m.put_key(c, keys.objs[i].clone().unbind()));
+                        }
                     }
+                    // A Python policy failed after evicting: its victims are gone.
+                    Err(_) if self.python_policy => dropped = m.forget_evicted(),
+                    _ => {}
                 }
-                (outcome, objs)
-            })
-            .map_err(|Poisoned| poisoned(py))?;
-        let outcome = outcome.map_err(|e| to_py(py, e))?;
+                (outcome, objs, dropped)
+            },
+        )?;
+        drop(dropped);
+        let outcome = settle(py, outcome, raised)?;
         let Some(out) = outcome else { return Ok(None) };
         let to_store = PyList::new(py, out.to_store.iter().map(|&i| &keys.objs[i]))?;
         // The stored objects of the victims; a fresh `bytes` only if one is missing.
@@ -458,13 +622,12 @@ impl ManagerCore {
     ) -> PyResult<()> {
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
-        let dropped = {
-            let mut m = self.lock(py)?;
+        let (dropped, raised) = self.policy_call(py, None, &keys.objs, None, |m, _| {
             let freed = m.complete_store(&slices, success);
             m.take_keys(&freed)
-        };
+        })?;
         drop(dropped);
-        Ok(())
+        settle(py, Ok(()), raised)
     }
 
     /// Create current request state on the context if it has none.
@@ -495,20 +658,21 @@ impl ManagerCore {
         let Some(positions) = positions else {
             return Ok(());
         };
-        self.with_state(state.get(), |m, s| m.on_request_finished(s, &positions))
-            .map_err(|Poisoned| poisoned(py))?
-            .map_err(|e| to_py(py, e))
+        let (done, raised) =
+            self.policy_call(py, Some(ctx.object()), &[], Some(state.get()), |m, s| {
+                m.on_request_finished(s.expect("state given"), &positions)
+            })?;
+        settle(py, done, raised)
     }
 
     /// Drop every chunk and the policy state.
     fn reset_cache(&self, py: Python<'_>) -> PyResult<()> {
-        let dropped = {
-            let mut m = self.lock(py)?;
+        let (dropped, raised) = self.policy_call(py, None, &[], None, |m, _| {
             m.reset_cache();
             std::mem::take(&mut m.keys)
-        };
+        })?;
         drop(dropped);
-        Ok(())
+        settle(py, Ok(()), raised)
     }
 
     /// Whether events are queued.
@@ -559,6 +723,16 @@ impl ManagerCore {
         ))
     }
 
+    /// The Python policy object (`None` with a built-in policy).
+    #[getter]
+    fn python_policy(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        if !self.python_policy {
+            return Ok(None);
+        }
+        let mut m = self.lock(py)?;
+        Ok(m.python_policy().map(|p| p.object().clone_ref(py)))
+    }
+
     /// Raise `InvariantViolation` if any internal invariant is broken.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         let checked = self.lock(py)?.validate();
@@ -590,7 +764,7 @@ impl ManagerCore {
             });
             (state, keys)
         };
-        state_dict(py, self.policy, state, &keys)
+        state_dict(py, &self.policy, state, &keys)
     }
 
     /// `[(key, count)]` oldest first, or `None` without a tracker.

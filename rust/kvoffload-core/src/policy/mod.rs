@@ -104,6 +104,8 @@ pub enum PolicyState {
         /// Ghost keys, oldest first.
         ghosts: Vec<KeyBuf>,
     },
+    /// An external policy: its order is its own business.
+    External,
 }
 
 /// The interface every built-in policy implements. All methods are infallible for legal input;
@@ -150,5 +152,20 @@ pub trait CachePolicy: Send {
     /// Set ARC's target size (tests only); `false` for policies without one.
     fn set_target(&mut self, _target: f64) -> bool {
         false
+    }
+    /// Whether a call since the last check failed, clearing the flag. Built-in policies never
+    /// fail; an external policy (Python code) can raise, and the manager then undoes its call.
+    fn failed(&mut self) -> bool {
+        false
+    }
+    /// Chunk `chunk`'s ref count is now `ref_cnt` (-1 pending, 0 ready, n pinned). Called only
+    /// for external policies, which mirror ref counts into the records they hold.
+    fn set_ref(&mut self, _chunk: ChunkId, _ref_cnt: i32) {}
+    /// The manager freed chunk `chunk`, which this policy's `evict` chose. Called only for
+    /// external policies, which keep a record per chunk until the eviction is accepted.
+    fn forget(&mut self, _chunk: ChunkId) {}
+    /// The policy as `Any`, for a binding that must reach its own external policy type.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
     }
 }

@@ -13,6 +13,7 @@
 //! read first, the lock is taken for the pure-Rust work only, and the results are built after it
 //! is released.
 
+pub(crate) mod external;
 mod slots;
 pub(crate) mod state;
 

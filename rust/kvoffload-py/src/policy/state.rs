@@ -31,6 +31,7 @@ pub(crate) fn state_keys(
             .chain(parked)
             .map(|q| keys(&mut q.iter().map(|e| e.0)))
             .collect(),
+        PolicyState::External => Vec::new(),
     }
 }
 
@@ -44,7 +45,8 @@ fn bytes_list<'py>(py: Python<'py>, ks: &[impl AsRef<[u8]>]) -> PyResult<Bound<'
 /// - arc: `t1`, `t2`, `b1`, `b2` (oldest first) and `target_t1_size`;
 /// - fifo, sieve: `queue` `[(key, visited)]` oldest first, `parked` (sorted) and `hand`;
 /// - s3fifo, 2q, slru: each queue `[(key, frequency)]` oldest first under its name, `parked`
-///   `[(key, queue, frequency)]` sorted, and `ghosts` oldest first.
+///   `[(key, queue, frequency)]` sorted, and `ghosts` oldest first;
+/// - an external policy: only `policy` (its class name).
 pub(crate) fn state_dict<'py>(
     py: Python<'py>,
     policy: &str,
@@ -91,6 +93,7 @@ pub(crate) fn state_dict<'py>(
             parked,
             ghosts,
         } => queues_state(&d, names, &linked, &parked, keys, &ghosts)?,
+        PolicyState::External => {}
     }
     Ok(d)
 }

@@ -1,0 +1,584 @@
+"""Python plug-in policies driven by the Rust manager.
+
+- Policies written against vLLM 0.33.0's interface (importing only vLLM) load by module path and
+  give the same results in kvoffload's Rust manager as in vLLM's own manager.
+- kvoffload's plain-Python policy twins, driven by the Rust manager as plug-ins, match the Rust
+  manager running the same policies built in: the plumbing (context, key objects, ref counts
+  mirrored into the statuses, the order of every call) is exact.
+- A policy that raises leaves the manager consistent, as `CPUOffloadingManager` documents; a
+  policy that breaks the evict contract or calls back into its manager gets a clear error.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import _driver
+from kvoffload import (
+    CPUOffloadingManager,
+    KeyStateError,
+    PolicyError,
+    ReentrantCallError,
+    ReqContext,
+    UnsupportedPolicyError,
+)
+from kvoffload.policies import POLICY_METHODS, CachePolicy, CachePolicyFactory, ChunkStatus
+from kvoffload.reference import CPUOffloadingManager as ReferenceManager
+
+#: Two policies written for vLLM 0.33.0: they import vLLM's CachePolicy and nothing of ours.
+VLLM_POLICIES = '''
+import random
+
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
+
+
+class MRUPolicy(CachePolicy):
+    """Evicts the most recently used evictable chunk first."""
+
+    def __init__(self, cache_capacity):
+        super().__init__(cache_capacity)
+        self.chunks = {}  # least recently used first
+
+    def get(self, key):
+        return self.chunks.get(key)
+
+    def insert(self, key, chunk, req_context):
+        self.chunks[key] = chunk
+
+    def remove(self, key):
+        del self.chunks[key]
+
+    def touch(self, keys, req_context):
+        for key in keys:
+            if key in self.chunks:
+                self.chunks[key] = self.chunks.pop(key)
+
+    def evict(self, n, protected):
+        victims = []
+        for key in reversed(self.chunks):
+            chunk = self.chunks[key]
+            if chunk.is_ready and chunk.ref_cnt == 0 and key not in protected:
+                victims.append((key, chunk))
+                if len(victims) == n:
+                    break
+        if len(victims) < n:
+            return None
+        for key, _ in victims:
+            del self.chunks[key]
+        return victims
+
+    def clear(self):
+        self.chunks.clear()
+
+    def items(self):  # not vLLM's: what kvoffload's reference manager lists residents with
+        return iter(list(self.chunks.items()))
+
+
+class SeededRandomPolicy(CachePolicy):
+    """Evicts uniformly at random (seeded) among the chunks it was told are evictable."""
+
+    def __init__(self, cache_capacity):
+        super().__init__(cache_capacity)
+        self.rng = random.Random(1234)
+        self.chunks = {}
+        self.evictable = {}  # an ordered set
+
+    def get(self, key):
+        return self.chunks.get(key)
+
+    def insert(self, key, chunk, req_context):
+        self.chunks[key] = chunk
+
+    def remove(self, key):
+        del self.chunks[key]
+
+    def touch(self, keys, req_context):
+        pass
+
+    def mark_evictable(self, key):
+        self.evictable[key] = None
+
+    def mark_non_evictable(self, key):
+        del self.evictable[key]
+
+    def evict(self, n, protected):
+        candidates = [key for key in self.evictable if key not in protected]
+        if len(candidates) < n:
+            return None
+        victims = self.rng.sample(candidates, n)
+        for key in victims:
+            del self.evictable[key]
+        return [(key, self.chunks.pop(key)) for key in victims]
+
+    def clear(self):
+        self.chunks.clear()
+        self.evictable.clear()
+'''
+
+#: The same policies against kvoffload's own base class.
+OWN_POLICY = VLLM_POLICIES.replace(
+    "from vllm.v1.kv_offload.cpu.policies.base import", "from kvoffload.policies import"
+)
+
+VLLM_MODULE = "kvoffload_test_vllm_policies"
+OWN_MODULE = "kvoffload_test_own_policies"
+VLLM_CLASSES = {"mru": "MRUPolicy", "random": "SeededRandomPolicy"}
+
+#: kvoffload's plain-Python twins of the built-in policies, by built-in name.
+TWINS = {
+    "lru": ("kvoffload.reference.lru", "LruPolicy"),
+    "arc": ("kvoffload.reference.arc", "ArcPolicy"),
+    "fifo": ("kvoffload.reference.fifo", "FifoPolicy"),
+    "sieve": ("kvoffload.reference.sieve", "SievePolicy"),
+    "s3fifo": ("kvoffload.reference.s3fifo", "S3FifoPolicy"),
+    "2q": ("kvoffload.reference.twoq", "TwoQPolicy"),
+    "slru": ("kvoffload.reference.slru", "SlruPolicy"),
+    "lfu": ("kvoffload.reference.lfu", "LfuPolicy"),
+    "arc-paper": ("kvoffload.reference.arc_paper", "LibCacheSimArc"),
+}
+
+
+@pytest.fixture(scope="module")
+def policy_modules(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The test policy modules, importable for the module's tests."""
+    root = tmp_path_factory.mktemp("policies")
+    (root / f"{VLLM_MODULE}.py").write_text(VLLM_POLICIES)
+    (root / f"{OWN_MODULE}.py").write_text(OWN_POLICY)
+    sys.path.insert(0, str(root))
+    yield root
+    sys.path.remove(str(root))
+    for name in (VLLM_MODULE, OWN_MODULE):
+        sys.modules.pop(name, None)
+
+
+def _state(mgr: Any) -> dict[str, Any]:
+    """What both managers show of themselves, policy order aside (a plug-in's is its own)."""
+    mgr.check_invariants()
+    return {
+        "resident": mgr.resident(),
+        "tracker_state": mgr.tracker_state(),
+        "pool_state": mgr.pool_state(),
+    }
+
+
+def _plugin_impl(
+    name: str, manager_cls: Any, context_cls: type, classes: dict[str, tuple[str, str]], state: Any
+) -> _driver.ImplSpec:
+    """A manager running, for the driver's policy name, the plug-in class ``classes[name]``."""
+
+    def make(**kwargs: Any) -> Any:
+        module, cls = classes[kwargs["cache_policy"]]
+        return manager_cls(**{**kwargs, "cache_policy": cls, "cache_policy_module_path": module})
+
+    return _driver.ImplSpec(name, make, context_cls, state)  # type: ignore[arg-type]
+
+
+def _run(specs: list[_driver.ImplSpec], policy: str, threshold: int, seeds: range) -> None:
+    for seed in seeds:
+        result = _driver.run_sequence(specs, policy, threshold, seed, calls=250)
+        if result.mismatch is not None:
+            pytest.fail(result.mismatch.report(20), pytrace=False)
+
+
+# --- policies written for vLLM ---
+
+
+@pytest.mark.parametrize("threshold", [1, 2])
+@pytest.mark.parametrize("policy", sorted(VLLM_CLASSES))
+def test_vllm_policy_in_rust_manager_matches_vllms_manager(
+    oracle: Any, policy_modules: Path, policy: str, threshold: int
+) -> None:
+    classes = {name: (VLLM_MODULE, cls) for name, cls in VLLM_CLASSES.items()}
+    specs = [
+        _plugin_impl("vllm", oracle.CPUOffloadingManager, oracle.ReqContext, classes, None),
+        _plugin_impl("rust", CPUOffloadingManager, ReqContext, classes, None),
+    ]
+    _run(specs, policy, threshold, range(12))
+
+
+def test_vllm_policy_gets_vllms_chunk_status(oracle: Any, policy_modules: Path) -> None:
+    m = CPUOffloadingManager(4, cache_policy="MRUPolicy", cache_policy_module_path=VLLM_MODULE)
+    ctx = ReqContext(req_id="r")
+    keys = [bytes([i]) * 8 for i in range(3)]
+    m.prepare_store(keys, ctx)
+    status = m.policy.get(keys[0])
+    assert type(status) is sys.modules["vllm.v1.kv_offload.cpu.policies.base"].ChunkStatus
+    assert (status.chunk_id, status.ref_cnt, status.is_ready) == (0, -1, False)
+    m.complete_store(keys, ctx)
+    m.prepare_load(keys[:1], ctx)
+    m.prepare_load(keys[:1], ReqContext(req_id="s"))
+    assert (status.ref_cnt, status.is_ready) == (2, True)
+    m.complete_load(keys[:1], ctx)
+    assert status.ref_cnt == 1
+    m.check_invariants()
+
+
+def test_own_policy_matches_the_reference_manager(policy_modules: Path) -> None:
+    classes = {"mru": (OWN_MODULE, "MRUPolicy")}
+    specs = [
+        _plugin_impl("reference", ReferenceManager, ReqContext, classes, _state),
+        _plugin_impl("rust", CPUOffloadingManager, ReqContext, classes, _state),
+    ]
+    _run(specs, "mru", 2, range(12))
+
+
+# --- kvoffload's twins as plug-ins: the plumbing is exact ---
+
+
+@pytest.mark.parametrize("policy", sorted(TWINS))
+def test_python_twin_in_rust_manager_matches_the_built_in(policy: str) -> None:
+    def built_in(**kwargs: Any) -> Any:
+        return CPUOffloadingManager(**kwargs)
+
+    specs = [
+        _driver.ImplSpec("rust", built_in, ReqContext, _state),  # type: ignore[arg-type]
+        _plugin_impl("rust+python", CPUOffloadingManager, ReqContext, TWINS, _state),
+    ]
+    _run(specs, policy, 2, range(6))
+    _run(specs, policy, 1, range(6))
+
+
+# --- factory and loading ---
+
+
+def test_factory_resolves_registered_names_then_module_paths(policy_modules: Path) -> None:
+    assert CachePolicyFactory.get_cache_policy_cls("lru").__name__ == "LruPolicy"
+    CachePolicyFactory.register_cache_policy("own-mru-test", OWN_MODULE, "MRUPolicy")
+    try:
+        with pytest.raises(UnsupportedPolicyError, match="already registered"):
+            CachePolicyFactory.register_cache_policy("own-mru-test", OWN_MODULE, "MRUPolicy")
+        m = CPUOffloadingManager(2, cache_policy="own-mru-test")
+        assert type(m.policy).__module__ == OWN_MODULE
+        assert m.policy_state() == {"policy": "MRUPolicy"}
+    finally:
+        CachePolicyFactory._registry.pop("own-mru-test")
+    with pytest.raises(UnsupportedPolicyError, match="no cache policy class"):
+        CPUOffloadingManager(2, cache_policy="Nope", cache_policy_module_path=OWN_MODULE)
+    with pytest.raises(UnsupportedPolicyError, match="cache_policy_module_path"):
+        CPUOffloadingManager(2, cache_policy="Nope")
+    with pytest.raises(UnsupportedPolicyError, match="lacks"):
+        CPUOffloadingManager(
+            2, cache_policy="ChunkStatus", cache_policy_module_path="kvoffload.policies"
+        )
+    assert CPUOffloadingManager(2).policy is None
+
+
+def test_chunk_status_matches_vllms_meaning() -> None:
+    s = ChunkStatus(3)
+    assert (s.chunk_id, s.ref_cnt, s.is_ready, s.is_evictable) == (3, -1, False, False)
+    s.ref_cnt = 0
+    assert (s.is_ready, s.is_evictable) == (True, True)
+    s.ref_cnt = 2
+    assert (s.is_ready, s.is_evictable) == (True, False)
+
+
+# --- a policy that raises ---
+
+
+class Flaky(CachePolicy):
+    """A FIFO-ish policy that raises once in method ``fail_in`` when armed (before acting, but
+    for ``remove`` and ``clear``, which a manager cannot undo)."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.chunks: dict[bytes, Any] = {}
+        self.fail_in: str | None = None
+        self.calls: list[str] = []
+
+    def _maybe_fail(self, name: str) -> None:
+        self.calls.append(name)
+        if self.fail_in == name:
+            self.fail_in = None
+            raise RuntimeError(f"policy failed in {name}")
+
+    def get(self, key: bytes) -> Any:
+        return self.chunks.get(key)
+
+    def insert(self, key: bytes, chunk: Any, req_context: Any) -> None:
+        self._maybe_fail("insert")
+        self.chunks[key] = chunk
+
+    def remove(self, key: bytes) -> None:
+        del self.chunks[key]
+        self._maybe_fail("remove")  # after acting: what a notification can do is not undone
+
+    def touch(self, keys: Any, req_context: Any) -> None:
+        self._maybe_fail("touch")
+        for key in keys:
+            if key in self.chunks:
+                self.chunks[key] = self.chunks.pop(key)
+
+    def on_store_miss(self, keys: Any, req_context: Any) -> None:
+        self._maybe_fail("on_store_miss")
+
+    def on_request_access(self, keys: Any, req_context: Any) -> None:
+        self._maybe_fail("on_request_access")
+
+    def on_request_finished(self, groups: Any, inserted: Any, reused: Any, ctx: Any) -> None:
+        self._maybe_fail("on_request_finished")
+
+    def mark_evictable(self, key: bytes) -> None:
+        self._maybe_fail("mark_evictable")
+
+    def mark_non_evictable(self, key: bytes) -> None:
+        self._maybe_fail("mark_non_evictable")
+
+    def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, Any]] | None:
+        self._maybe_fail("evict")
+        victims = [(k, c) for k, c in self.chunks.items() if c.ref_cnt == 0 and k not in protected]
+        if len(victims) < n:
+            return None
+        for key, _ in victims[:n]:
+            del self.chunks[key]
+        return victims[:n]
+
+    def clear(self) -> None:
+        self.chunks.clear()
+        self._maybe_fail("clear")
+
+
+FLAKY_METHODS = tuple(m for m in POLICY_METHODS if m != "get")
+
+
+def _flaky_manager(num_chunks: int, **kwargs: Any) -> CPUOffloadingManager:
+    module = type(sys)("kvoffload_test_flaky")
+    module.Flaky = Flaky  # type: ignore[attr-defined]
+    sys.modules["kvoffload_test_flaky"] = module
+    return CPUOffloadingManager(
+        num_chunks,
+        cache_policy="Flaky",
+        cache_policy_module_path="kvoffload_test_flaky",
+        enable_events=True,
+        **kwargs,
+    )
+
+
+def _snapshot(m: CPUOffloadingManager) -> tuple[Any, ...]:
+    return m.resident(), m.pool_state(), m.tracker_state()
+
+
+def _policy_agrees(m: CPUOffloadingManager) -> None:
+    """The manager's invariants hold and the policy holds exactly the resident keys."""
+    m.check_invariants()
+    resident = m.resident()
+    assert set(m.policy.chunks) == set(resident)
+    for key, (chunk, ref) in resident.items():
+        status = m.policy.chunks[key]
+        assert (status.chunk_id, status.ref_cnt) == (chunk, ref)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_raising_policy_leaves_the_manager_consistent(seed: int) -> None:
+    rng = random.Random(seed)
+    m = _flaky_manager(6, store_threshold=2, max_tracker_size=8)
+    keys = [bytes([i]) * 6 for i in range(14)]
+    contexts = [ReqContext(req_id=str(i)) for i in range(3)]
+    pins: list[tuple[bytes, ReqContext]] = []
+    failures = 0
+    for _ in range(400):
+        policy: Flaky = m.policy
+        if rng.random() < 0.5:
+            policy.fail_in = rng.choice(FLAKY_METHODS)
+        ctx = rng.choice(contexts)
+        resident = m.resident()
+        before = _snapshot(m)
+        op = rng.choice(["store", "complete", "fail", "load", "unload", "touch", "finish", "reset"])
+        try:
+            if op == "store":
+                m.prepare_store(rng.sample(keys, rng.randint(1, 4)), ctx)
+            elif op in ("complete", "fail"):
+                pending = [k for k, (_, r) in resident.items() if r == -1]
+                m.complete_store(pending[: rng.randint(0, 3)], ctx, success=op == "complete")
+            elif op == "load":
+                ready = [k for k, (_, r) in resident.items() if r >= 0]
+                chosen = ready[: rng.randint(0, 2)]
+                m.prepare_load(chosen, ctx)
+                pins.extend((k, ctx) for k in chosen)
+            elif op == "unload" and pins:
+                k, c = pins.pop(rng.randrange(len(pins)))
+                m.complete_load([k], c)
+            elif op == "touch":
+                m.touch(rng.sample(keys, 3), ctx)
+            elif op == "finish":
+                # The request is finished even if the policy raises: it needs a new context.
+                contexts[contexts.index(ctx)] = ReqContext(req_id=str(rng.random()))
+                m.on_request_finished(ctx)
+            elif op == "reset" and rng.random() < 0.1:
+                m.reset_cache()
+                pins.clear()
+        except RuntimeError as e:
+            assert str(e).startswith("policy failed in")  # noqa: PT017 (not one call's check)
+            failures += 1
+            if op in ("load", "store"):
+                after = _snapshot(m)
+                if op == "load" or str(e) != "policy failed in insert":
+                    assert after == before
+                else:
+                    # Evictions made before a failed insert stand; nothing else changed.
+                    assert after[2] == before[2]
+                    assert set(after[0]) <= set(before[0])
+            if op == "reset":
+                pins.clear()
+        _policy_agrees(m)
+    assert failures > 10
+
+
+def test_failed_insert_after_eviction_reports_the_eviction() -> None:
+    m = _flaky_manager(2)
+    ctx = ReqContext(req_id="r")
+    a, b, c, d = (bytes([i]) * 4 for i in range(4))
+    m.prepare_store([a, b], ctx)
+    m.complete_store([a, b], ctx)
+    list(m.take_events())
+    m.policy.fail_in = "insert"
+    with pytest.raises(RuntimeError, match="insert"):
+        m.prepare_store([c, d], ctx)
+    assert m.resident() == {}
+    assert m.pool_state() == (2, [0, 1])
+    events = list(m.take_events())
+    assert [(e.keys, e.removed) for e in events] == [([a, b], True)]
+    _policy_agrees(m)
+    # The same offer goes through once the policy stops failing.
+    out = m.prepare_store([c, d], ctx)
+    assert out is not None
+    assert out.keys_to_store == [c, d]
+    _policy_agrees(m)
+
+
+def test_failed_load_pins_nothing() -> None:
+    m = _flaky_manager(4)
+    ctx = ReqContext(req_id="r")
+    keys = [bytes([i]) * 4 for i in range(3)]
+    m.prepare_store(keys, ctx)
+    m.complete_store(keys, ctx)
+    m.policy.fail_in = "mark_non_evictable"
+    m.policy.calls.clear()
+    with pytest.raises(RuntimeError):
+        m.prepare_load(keys, ctx)
+    assert {k: r for k, (_, r) in m.resident().items()} == dict.fromkeys(keys, 0)
+    assert m.policy.calls == ["mark_non_evictable"]
+    m.policy.fail_in = "on_request_access"
+    m.policy.calls.clear()
+    with pytest.raises(RuntimeError):
+        m.prepare_load(keys, ReqContext(req_id="new to these keys"))
+    # Every pin reported was reported released again.
+    assert (
+        m.policy.calls
+        == ["mark_non_evictable"] * 3 + ["on_request_access"] + ["mark_evictable"] * 3
+    )
+    _policy_agrees(m)
+
+
+# --- contract breaches and reentrancy ---
+
+
+class Liar(Flaky):
+    """Evicts whatever ``answer`` says."""
+
+    answer: Any = None
+
+    def evict(self, n: int, protected: set[bytes]) -> Any:
+        return self.answer(self, n, protected)
+
+
+@pytest.mark.parametrize(
+    ("answer", "match"),
+    [
+        (lambda p, n, prot: [], "returned 0 chunks"),
+        (
+            lambda p, n, prot: [(k, c) for k, c in p.chunks.items() if k in prot or c.ref_cnt == 0][
+                :n
+            ],
+            "protected",
+        ),
+        (lambda p, n, prot: [(k, c) for k, c in p.chunks.items() if c.ref_cnt != 0][:n], "ref"),
+        (lambda p, n, prot: [(b"nope", ChunkStatus(0))] * n, "does not hold"),
+        (lambda p, n, prot: [5] * n, r"\(key, status\) pairs"),
+        (
+            lambda p, n, prot: (
+                [(k, c) for k, c in p.chunks.items() if c.ref_cnt == 0 and k not in prot][:1] * n
+            ),
+            "twice",
+        ),
+    ],
+)
+def test_an_evict_that_breaks_the_contract_raises_policy_error(answer: Any, match: str) -> None:
+    m = _flaky_manager(5)
+    m.policy.__class__ = Liar
+    m.policy.answer = answer
+    ctx = ReqContext(req_id="r")
+    a, b, c, d, e, f, g = (bytes([i]) * 4 for i in range(7))
+    m.prepare_store([a, b, c, f, g], ctx)
+    m.complete_store([a, b, f, g], ctx)
+    m.prepare_load([b], ctx)
+    before = _snapshot(m)
+    # Two chunks to evict out of a, f and g; a is offered again, so it is protected.
+    with pytest.raises(PolicyError, match=match):
+        m.prepare_store([a, d, e], ctx)
+    assert _snapshot(m) == before
+    m.check_invariants()
+
+
+def test_a_policy_calling_its_manager_gets_reentrant_call_error() -> None:
+    m = _flaky_manager(2)
+    seen: list[BaseException] = []
+
+    def evict(self: Any, n: int, protected: set[bytes]) -> Any:
+        try:
+            m.lookup(b"x", None)
+        except ReentrantCallError as e:
+            seen.append(e)
+            raise
+        return None
+
+    m.policy.__class__ = Liar
+    m.policy.answer = evict
+    ctx = ReqContext(req_id="r")
+    m.prepare_store([b"a", b"b"], ctx)
+    m.complete_store([b"a", b"b"], ctx)
+    with pytest.raises(ReentrantCallError, match="inside its own cache policy"):
+        m.prepare_store([b"c"], ctx)
+    assert len(seen) == 1
+    assert m.lookup(b"a", ctx).name == "HIT"
+    _policy_agrees(m)
+
+
+def test_threads_share_a_manager_with_a_python_policy() -> None:
+    m = _flaky_manager(64)
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            rng = random.Random(t)
+            for i in range(300):
+                ctx = ReqContext(req_id=f"{t}/{i}")
+                keys = [b"t%d/%d" % (t, rng.randrange(40)) for _ in range(3)]
+                keys = list(dict.fromkeys(keys))
+                out = m.prepare_store(keys, ctx)
+                if out is not None:
+                    m.complete_store(out.keys_to_store, ctx)
+                hits = [k for k in keys if m.lookup(k, ctx).name == "HIT"]
+                try:
+                    m.prepare_load(hits, ctx)
+                except KeyStateError:
+                    continue  # another thread evicted one since the lookup
+                m.complete_load(hits, ctx)
+                m.on_request_finished(ctx)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    _policy_agrees(m)
