@@ -112,6 +112,8 @@ def _tensors(
                 "buffers only; copies to and from a GPU are not built (leave 'host_pool' unset "
                 "to use vLLM's worker)"
             ) from e
+        if not buffer.flags.writeable:
+            raise InvalidArgumentError(f"KV-cache tensor {t} is read-only; loads write to it")
         if page < 1 or buffer.size % page:
             raise InvalidArgumentError(
                 f"KV-cache tensor {t} has {buffer.size} bytes, not a whole number of "
@@ -161,8 +163,9 @@ class HostPoolWorker:
 
     Every id and size of a job is checked before any of it is queued: a bad job raises a
     :class:`kvoffload.KVOffloadError` and moves no byte. A queued job is reported once by
-    ``get_finished``, failed if any of its copies failed. Jobs run concurrently and finish in
-    any order; ``expedited`` loads are accepted and queued like the others.
+    ``get_finished``, failed if any of its copies failed; ``submit_*`` returns False (vLLM's
+    "not submitted") only if the pool is closed while a job is being queued. Jobs run
+    concurrently and finish in any order; ``expedited`` loads are queued like the others.
 
     """
 
@@ -314,9 +317,11 @@ class HostPoolWorker:
                     chunk_offset=tensor.chunk_offset + j * tensor.page_bytes,
                 )
             except KVOffloadError:
-                # Checked above, so only a pool closed meanwhile gets here: undo what was queued
-                # and report the job as not submitted (vLLM's connector records it as failed).
                 self._abandon(job_id, pool_ids, queued=pool_ids[:i])
+                if i == 0:
+                    raise  # nothing was queued (a closed pool, say): refused as a whole
+                # Part of the job may have run (only a pool closed meanwhile gets here): report
+                # it as not submitted, which vLLM's connector records as a failed job.
                 return False
         return True
 
