@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import importlib
 import random
+import sys
 import threading
 import types
 import uuid
@@ -140,14 +141,39 @@ def test_spec_builds_a_host_pool_worker_sized_like_vllms_buffer(oracle: Any, bas
     assert pool.closed
 
 
-def test_a_gpu_tensor_is_refused_with_the_reason(oracle: Any, base: Any) -> None:
+class _Cuda:
+    type = "cuda"
+
+    def __str__(self) -> str:
+        return "cuda:0"
+
+
+class _FakeCudaTensor:
+    """What ``as_byte_buffer`` reads of a torch tensor on a GPU (no torch is installed here)."""
+
+    device = _Cuda()
+
+
+@pytest.mark.parametrize("tensor", ["cuda", "opaque"])
+def test_a_gpu_tensor_is_refused_with_the_reason(
+    oracle: Any, base: Any, monkeypatch: pytest.MonkeyPatch, tensor: str
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(Tensor=_FakeCudaTensor))
     spec = worker_spec(oracle, 2, (PAGE,), bpc=1)
     caches = base.CanonicalKVCaches(
-        tensors=[base.CanonicalKVCacheTensor(object(), PAGE)],
+        tensors=[
+            base.CanonicalKVCacheTensor(_FakeCudaTensor() if tensor == "cuda" else object(), PAGE)
+        ],
         group_data_refs=[[base.CanonicalKVCacheRef(0, PAGE)]],
     )
-    with pytest.raises(InvalidArgumentError, match="copies to and from a GPU are not built"):
+    why = (
+        "a tensor on cuda:0 is not host memory"
+        if tensor == "cuda"
+        else "expected a C-contiguous buffer"
+    )
+    with pytest.raises(InvalidArgumentError, match=why) as info:
         spec.get_worker(caches)
+    assert "copies to and from a GPU are not built" in str(info.value)
 
 
 def test_a_pool_of_no_chunk_is_refused(oracle: Any, base: Any) -> None:
