@@ -258,7 +258,7 @@ class HostPoolWorker:
             for pool_id, ok in finished:
                 job_id = self._owner.pop(pool_id, None)
                 if job_id is None:
-                    continue  # a copy of a job that failed to submit: already reported
+                    continue  # a copy of a job abandoned while being queued: not reported
                 job = self._jobs[job_id]
                 job.pending.discard(pool_id)
                 job.success = job.success and ok
@@ -316,9 +316,9 @@ class HostPoolWorker:
                     block_bytes=tensor.page_bytes,
                     chunk_offset=tensor.chunk_offset + j * tensor.page_bytes,
                 )
-            except KVOffloadError:
+            except Exception as e:
                 self._abandon(job_id, pool_ids, queued=pool_ids[:i])
-                if i == 0:
+                if i == 0 or not isinstance(e, KVOffloadError):
                     raise  # nothing was queued (a closed pool, say): refused as a whole
                 # Part of the job may have run (only a pool closed meanwhile gets here): report
                 # it as not submitted, which vLLM's connector records as a failed job.
