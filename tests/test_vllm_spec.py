@@ -5,7 +5,7 @@ Against vLLM's real ``kv_offload`` modules from its PyPI wheel, imported without
 first and then requires these tests to run):
 
 - the spec loads through vLLM's ``OffloadingSpecFactory`` and every extra-config key keeps its
-  meaning; the worker side is vLLM's;
+  meaning (the worker side: ``test_vllm_worker.py``);
 - kvoffload's manager, built by the spec, runs seeded random call sequences side by side with the
   manager vLLM's own ``CPUOffloadingSpec`` builds, every result checked to be of vLLM's classes.
 
@@ -83,14 +83,6 @@ def test_spec_loads_through_vllms_factory(oracle: Any, vllm_mod: Any) -> None:
         assert cls.build_metric_definitions(extra).keys() == (
             oracle.cpu_spec.CPUOffloadingSpec.build_metric_definitions(extra).keys()
         )
-
-
-def test_worker_side_is_vllms(oracle: Any, vllm_mod: Any) -> None:
-    spec = make_spec(oracle, 4, OURS)
-    assert type(spec).get_worker is oracle.cpu_spec.CPUOffloadingSpec.get_worker
-    # Without a GPU (the stand-in platform reports none), vLLM's own worker refuses to start.
-    with pytest.raises(Exception, match="only supported on CUDA-alike"):
-        spec.get_worker(None)
 
 
 def test_spec_needs_cpu_bytes_to_use_like_vllms(oracle: Any) -> None:

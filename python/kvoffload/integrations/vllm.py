@@ -8,7 +8,9 @@ Two ways in, both through vLLM's own extension points:
   ``OffloadingEvent``, ``OffloadingConnectorStats``, ...). Select it with
   ``kv_connector_extra_config = {"spec_name": "KVOffloadCPUOffloadingSpec",
   "spec_module_path": "kvoffload.integrations.vllm", "cpu_bytes_to_use": ...}``; every other key
-  of vLLM's CPU spec keeps its meaning. The worker side is vLLM's, unchanged.
+  of vLLM's CPU spec keeps its meaning. The worker side is vLLM's unless ``"host_pool":
+  "kvoffload"`` is set: then it is ``KVOffloadHostPoolWorker``, which copies between host-memory
+  KV caches and a ``kvoffload.HostPool`` (no GPU copies; see ``vllm_worker``).
 - ``RustLRU`` and ``RustARC``: vLLM ``CachePolicy`` subclasses backed by kvoffload-core's LRU
   and ARC, for vLLM's own Python manager: ``"eviction_policy": "RustLRU",
   "cache_policy_module_path": "kvoffload.integrations.vllm"``.
@@ -28,10 +30,13 @@ from collections.abc import Callable
 from typing import Any
 
 from kvoffload import _native
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.integrations.vllm_worker import HostPoolWorker
 from kvoffload.manager import CPUOffloadingManager
 
 __all__ = [
+    "HOST_POOLS",
+    "HOST_POOL_KEY",
     "KVOFFLOAD_POLICIES",
     "SPEC_MODULE_PATH",
     "SPEC_NAME",
@@ -39,6 +44,7 @@ __all__ = [
     # Built from vLLM's classes on first access (module __getattr__ below).
     "KVOffloadCPUOffloadingManager",  # noqa: F822
     "KVOffloadCPUOffloadingSpec",  # noqa: F822
+    "KVOffloadHostPoolWorker",  # noqa: F822
     "RustARC",  # noqa: F822
     "RustLRU",  # noqa: F822
     "vllm_types",
@@ -52,6 +58,10 @@ SPEC_MODULE_PATH = "kvoffload.integrations.vllm"
 #: ``eviction_policy`` values the Rust manager runs itself; any other policy is run by vLLM's
 #: own manager (as ``CPUOffloadingSpec`` would), for example ``RustLRU`` from this module.
 KVOFFLOAD_POLICIES = ("lru", "arc")
+#: The extra-config key choosing the worker's CPU buffer, and its values: ``"vllm"`` (the
+#: default: vLLM's ``CPUOffloadingWorker``) or ``"kvoffload"`` (``KVOffloadHostPoolWorker``).
+HOST_POOL_KEY = "host_pool"
+HOST_POOLS = ("vllm", "kvoffload")
 
 _MANAGER_MODULE = "vllm.v1.kv_offload.cpu.manager"
 _POLICY_BASE_MODULE = "vllm.v1.kv_offload.cpu.policies.base"
@@ -120,21 +130,58 @@ def _build_manager() -> type:
     return KVOffloadCPUOffloadingManager
 
 
+def _build_worker() -> type:
+    base: Any = importlib.import_module(_BASE_MODULE)
+
+    class KVOffloadHostPoolWorker(HostPoolWorker, base.OffloadingWorker):  # type: ignore[misc]
+        """kvoffload's host-pool worker as a vLLM ``OffloadingWorker`` (host-memory caches only).
+
+        Returns vLLM's ``TransferResult``; see ``kvoffload.integrations.vllm_worker``.
+        """
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("result_type", base.TransferResult)
+            super().__init__(*args, **kwargs)
+
+    KVOffloadHostPoolWorker.__qualname__ = "KVOffloadHostPoolWorker"
+    KVOffloadHostPoolWorker.__module__ = __name__
+    return KVOffloadHostPoolWorker
+
+
 def _build_spec() -> type:
     vllm_spec: Any = importlib.import_module(_SPEC_MODULE).CPUOffloadingSpec
     vllm_manager: Any = importlib.import_module(_MANAGER_MODULE).CPUOffloadingManager
     manager_cls = _lookup("KVOffloadCPUOffloadingManager")
+    worker_cls = _lookup("KVOffloadHostPoolWorker")
 
     class KVOffloadCPUOffloadingSpec(vllm_spec):  # type: ignore[misc]
         """vLLM's CPU offloading spec with kvoffload's manager on the scheduler side.
 
-        Sizing (``cpu_bytes_to_use``), metrics, config info and the worker are vLLM's. The
-        manager takes the same extra-config keys as vLLM's: ``eviction_policy``,
-        ``cache_policy_module_path``, ``store_threshold``, ``max_tracker_size``. A policy other
-        than ``lru``/``arc`` runs in vLLM's own manager, as with ``CPUOffloadingSpec``.
+        Sizing (``cpu_bytes_to_use``), metrics and config info are vLLM's. The manager takes
+        the same extra-config keys as vLLM's: ``eviction_policy``, ``cache_policy_module_path``,
+        ``store_threshold``, ``max_tracker_size``. A policy other than ``lru``/``arc`` runs in
+        vLLM's own manager, as with ``CPUOffloadingSpec``. The worker is vLLM's, or with
+        ``"host_pool": "kvoffload"`` kvoffload's ``KVOffloadHostPoolWorker``.
         """
 
         _manager: Any  # set to None by CPUOffloadingSpec.__init__
+        _worker: Any  # likewise
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.host_pool = self.extra_config.get(HOST_POOL_KEY, "vllm")
+            if self.host_pool not in HOST_POOLS:
+                raise InvalidArgumentError(
+                    f"{HOST_POOL_KEY} must be one of {HOST_POOLS}, got {self.host_pool!r}"
+                )
+
+        def get_worker(self, kv_caches: Any) -> Any:
+            """The worker-side transfer engine, built on first use."""
+            if self.host_pool == "vllm":
+                return super().get_worker(kv_caches)
+            if not self._worker:
+                self._worker = worker_cls.from_spec(self, kv_caches)
+            return self._worker
 
         def get_manager(self) -> Any:
             """The scheduler-side manager, built on first use."""
@@ -251,6 +298,7 @@ def _build_rust_arc() -> type:
 _BUILDERS: dict[str, Callable[[], type]] = {
     "KVOffloadCPUOffloadingManager": _build_manager,
     "KVOffloadCPUOffloadingSpec": _build_spec,
+    "KVOffloadHostPoolWorker": _build_worker,
     "RustLRU": _build_rust_lru,
     "RustARC": _build_rust_arc,
 }
