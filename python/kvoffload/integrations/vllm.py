@@ -33,6 +33,7 @@ from kvoffload import _native
 from kvoffload.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.integrations.vllm_worker import HostPoolWorker
 from kvoffload.manager import CPUOffloadingManager
+from kvoffload.policies import POLICY_METHODS
 
 __all__ = [
     "HOST_POOLS",
@@ -68,20 +69,6 @@ _POLICY_BASE_MODULE = "vllm.v1.kv_offload.cpu.policies.base"
 _SPEC_MODULE = "vllm.v1.kv_offload.cpu.spec"
 _BASE_MODULE = "vllm.v1.kv_offload.base"
 
-#: The ``CachePolicy`` calls vLLM's manager makes, each answered by ``PolicyCore`` directly.
-_POLICY_METHODS = (
-    "get",
-    "insert",
-    "remove",
-    "touch",
-    "on_store_miss",
-    "on_request_access",
-    "on_request_finished",
-    "evict",
-    "clear",
-    "mark_evictable",
-    "mark_non_evictable",
-)
 
 _built: dict[str, Any] = {}
 
@@ -220,7 +207,7 @@ def _build_policy(kind: str, name: str) -> type:
         def __init__(self, cache_capacity: int) -> None:
             super().__init__(cache_capacity)
             self._core = _native.PolicyCore(kind, cache_capacity)
-            for method in _POLICY_METHODS:
+            for method in POLICY_METHODS:  # each answered by PolicyCore directly
                 setattr(self, method, getattr(self._core, method))
 
         def get(self, key: bytes) -> Any:
