@@ -11,7 +11,8 @@ Replays the `kvoffload bench` scheduler workload, side by side in one run, throu
 - ``rust``: the Rust manager with the policy built in (where kvoffload has one).
 
 Prints the manager time per scheduler step (fastest of ``R`` replays) and the speed-up of the
-plug-in path over the reference manager, and checks that the three replays agree call for call (their digests).
+plug-in path over the reference manager, and checks that the three replays agree call for call
+(their digests).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class CPUOffloadingManager:
     `kvoffload.policies.CachePolicyFactory`, or (with ``cache_policy_module_path``) a class
     with vLLM's ``CachePolicy`` interface. Such a Python policy is called exactly where vLLM's
     manager calls it, except ``get``, which is never needed. When one of its methods raises, the
-    exception propagates unchanged and:
+    exception propagates unchanged, the method is taken not to have changed the policy, and:
 
     - ``prepare_load`` and ``prepare_store`` change nothing of the manager's state (pins,
       request state, admission counts, stats), with one exception: if the policy's ``insert``

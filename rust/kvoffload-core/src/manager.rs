@@ -230,8 +230,9 @@ impl Manager {
     /// - `complete_load`, `complete_store`, `touch`, `on_request_finished`, `reset_cache`: the
     ///   call completes; the failure is for the caller to report afterwards.
     ///
-    /// An eviction that breaks the contract (not exactly `n` distinct, ready, unprotected,
-    /// resident chunks) is refused the same way.
+    /// A method that fails is taken not to have changed the policy. An eviction that breaks the
+    /// contract (not exactly `n` distinct, ready, unprotected, resident chunks) is refused the
+    /// same way.
     pub fn with_policy(config: &ManagerConfig, policy: Box<dyn CachePolicy>) -> Result<Self> {
         Self::build(config, policy, true)
     }
@@ -1016,8 +1017,11 @@ impl Manager {
             self.refs.insert_pending(c);
             self.policy.insert(c, call.access(i, None), &mut req.rank);
             if self.policy_failed() {
-                for &c in chunks[..=n].iter().rev() {
-                    self.policy.remove(c);
+                // The failed insert is taken not to have happened; the earlier ones are undone.
+                for (m, &c) in chunks[..=n].iter().enumerate().rev() {
+                    if m < n {
+                        self.policy.remove(c);
+                    }
                     self.refs.remove(c);
                     self.unindex(c);
                 }
