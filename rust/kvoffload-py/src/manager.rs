@@ -110,6 +110,11 @@ fn settle<T>(py: Python<'_>, result: core::Result<T>, raised: Option<PyErr>) -> 
     }
 }
 
+/// Calls with at least this many keys release the GIL while the core works (built-in policies
+/// only): other Python threads run meanwhile. Smaller calls keep it, since taking it back after
+/// another thread got it can cost a whole switch interval.
+const DETACH_MIN_KEYS: usize = 128;
+
 /// An address unique to the calling thread while it lives.
 fn thread_mark() -> usize {
     thread_local!(static MARK: u8 = const { 0 });
@@ -205,14 +210,28 @@ impl ManagerCore {
 
     /// Run `f` on the locked manager as a call that may run a Python policy, with the call's
     /// context and key objects; returns `f`'s result and the policy's first exception.
-    fn policy_call<R>(
+    ///
+    /// With a built-in policy and at least [`DETACH_MIN_KEYS`] keys, `f` runs detached from the
+    /// interpreter (the GIL released): it must not touch Python objects beyond moving them.
+    fn policy_call<R: Send>(
         &self,
         py: Python<'_>,
         ctx: Option<&Bound<'_, PyAny>>,
         keys: &[Bound<'_, PyBytes>],
         state: Option<&RequestState>,
-        f: impl FnOnce(&mut Core, Option<&mut core::RequestState>) -> R,
+        f: impl FnOnce(&mut Core, Option<&mut core::RequestState>) -> R + Send,
     ) -> PyResult<(R, Option<PyErr>)> {
+        if !self.python_policy && keys.len() >= DETACH_MIN_KEYS {
+            let out = py.detach(|| {
+                let mut m = self.inner.lock().map_err(|_| LockError::Poisoned)?;
+                let mut s = match state {
+                    Some(st) => Some(st.inner.lock().map_err(|_| LockError::Poisoned)?),
+                    None => None,
+                };
+                Ok(f(&mut m, s.as_deref_mut()))
+            });
+            return out.map(|r| (r, None)).map_err(|e: LockError| e.into_py(py));
+        }
         let mut m = self.lock(py)?;
         let mut s = match state {
             Some(st) => Some(st.inner.lock().map_err(|_| poisoned(py))?),
@@ -491,7 +510,10 @@ impl ManagerCore {
     fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
-        Ok(self.lock(py)?.lookup_prefix(&slices))
+        let (hits, _) = self.policy_call(py, None, &keys.objs, None, |m, _| {
+            m.lookup_prefix(&slices)
+        })?;
+        Ok(hits)
     }
 
     /// Pin keys for loading; returns a `CPULoadStoreSpec` of their chunk ids.
@@ -562,6 +584,9 @@ impl ManagerCore {
             ctx.set_state(state.as_any())?;
         }
         let slices = keys.slices();
+        // Owned references, moved into the table by the core call (which may run detached).
+        let mut owned: Vec<Option<Py<PyBytes>>> =
+            keys.objs.iter().map(|k| Some(k.clone().unbind())).collect();
         let ((outcome, evicted_objs, dropped), raised) = self.policy_call(
             py,
             Some(ctx.object()),
@@ -575,7 +600,9 @@ impl ManagerCore {
                     Ok(Some(out)) => {
                         objs = m.take_keys(&out.evicted_chunks);
                         for (&i, &c) in out.to_store.iter().zip(&out.chunks) {
-                            objs.push(m.put_key(c, keys.objs[i].clone().unbind()));
+                            if let Some(obj) = owned[i].take() {
+                                objs.push(m.put_key(c, obj));
+                            }
                         }
                     }
                     // A Python policy failed after evicting: its victims are gone.
@@ -585,7 +612,7 @@ impl ManagerCore {
                 (outcome, objs, dropped)
             },
         )?;
-        drop(dropped);
+        drop((dropped, owned));
         let outcome = settle(py, outcome, raised)?;
         let Some(out) = outcome else { return Ok(None) };
         let to_store = PyList::new(py, out.to_store.iter().map(|&i| &keys.objs[i]))?;
