@@ -1,8 +1,9 @@
 """Host transfer throughput: HostPool gather/scatter vs a plain numpy copy of the same bytes.
 
 For each block size, a fresh pool of ``total / block`` chunks of one block is created (its
-pre-fault rate is recorded). Then ``--repeat`` rounds, each running every operation once in a
-fresh random order (so drift on a shared machine and the position in a round hit all alike):
+pre-fault rate is recorded, and that of the same pool pre-faulted on one thread). Then
+``--repeat`` rounds, each running every operation once in a fresh random order (so drift on a
+shared machine and the position in a round hit all alike):
 
 - numpy: ``np.copyto(dst, src)``, one contiguous copy between two numpy arrays (numpy's best
   case: both arrays on transparent huge pages, which numpy asks for);
@@ -72,6 +73,8 @@ def measure(
     rng = np.random.default_rng(0)
     chunk_order = rng.permutation(n)
     block_order = rng.permutation(n)
+    with HostPool(n, block, num_threads=1, huge_pages=huge_pages, register_cuda=False) as one:
+        prefault_1t = one.stats().prefault_gb_per_s  # the same pre-fault on one thread
     t0 = time.perf_counter()
     pool = HostPool(n, block, num_threads=max(threads), huge_pages=huge_pages, register_cuda=False)
     create_s = time.perf_counter() - t0
@@ -84,6 +87,7 @@ def measure(
         "huge_pages": huge_pages,
         "prefault_method": stats.prefault_method,
         "prefault_gb_s": stats.prefault_gb_per_s,
+        "prefault_1t_gb_s": prefault_1t,
         "create_s": create_s,
         "load_avg_1m": os.getloadavg()[0],
     }
@@ -128,7 +132,7 @@ def table(rows: list[dict[str, Any]], threads: list[int]) -> str:
     cols = ["block", "numpy copy GB/s", "numpy in / out of pool GB/s", "numpy rows GB/s"]
     for t in threads:
         cols += [f"gather {t}T GB/s (ratios)", f"scatter {t}T GB/s (ratios)"]
-    cols += ["pool creation, pre-fault GB/s"]
+    cols += [f"pre-fault GB/s 1T / {max(threads)}T (pool creation)"]
     lines = ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
     for r in rows:
         kib = r["block_bytes"] // 1024
@@ -144,7 +148,9 @@ def table(rows: list[dict[str, Any]], threads: list[int]) -> str:
                 cells.append(
                     f"{r[f'{p}_gb_s']:.1f} ({r[f'{p}_ratio']:.2f} / {r[f'{p}_ratio_arrays']:.2f})"
                 )
-        cells.append(f"{r['create_s']:.2f} s, {r['prefault_gb_s']:.1f}")
+        cells.append(
+            f"{r['prefault_1t_gb_s']:.1f} / {r['prefault_gb_s']:.1f} ({r['create_s']:.2f} s)"
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
