@@ -1,5 +1,6 @@
 """Host transfers under pytest-benchmark: gather and scatter of 256 MiB in 64 KiB-2 MiB blocks,
-on 1 and 2 threads, next to numpy's single copy of the same bytes.
+on 1 and 2 threads, next to numpy's single copy of the same bytes (array to array, and into and
+out of the pool's own memory). Buffers are page-aligned and written first, as in host_transfer.
 
 Not part of the normal test run; ``pytest benches/test_bench_host.py --benchmark-only``.
 ``benches/host_transfer.py`` runs the 1 GiB version and prints the README table.
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from host_transfer import page_aligned
 from kvoffload import HostPool
 
 TOTAL = 256 << 20
@@ -27,8 +29,9 @@ def setup(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     pool = HostPool(n, block, num_threads=2, register_cuda=False)
     yield {
         "pool": pool,
-        "src": np.ones((n, block), np.uint8),
-        "dst": np.ones((n, block), np.uint8),
+        "view": pool.view(),
+        "src": page_aligned(n, block, 1),
+        "dst": page_aligned(n, block),
         "blocks": np.arange(n),
         "chunks": rng.permutation(n),
     }
@@ -38,6 +41,16 @@ def setup(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
 def test_numpy_copy(benchmark: Any, setup: dict[str, Any]) -> None:
     benchmark.extra_info["bytes"] = TOTAL
     benchmark(np.copyto, setup["dst"], setup["src"])
+
+
+def test_numpy_into_pool(benchmark: Any, setup: dict[str, Any]) -> None:
+    benchmark.extra_info["bytes"] = TOTAL
+    benchmark(np.copyto, setup["view"], setup["src"])
+
+
+def test_numpy_out_of_pool(benchmark: Any, setup: dict[str, Any]) -> None:
+    benchmark.extra_info["bytes"] = TOTAL
+    benchmark(np.copyto, setup["dst"], setup["view"])
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -176,7 +176,8 @@ class HostPool:
             device are found (this initialises the CUDA runtime in the process), ``True``
             requires it, ``False`` skips it. ``pinned`` says what happened and
             ``stats().pinned_reason`` why.
-        num_threads: copy threads (default: the CPU count, at most 8).
+        num_threads: copy threads, which also pre-fault the memory together (default: the CPU
+            count, at most 8).
         shared_mode: ``"create_or_attach"``, ``"create"`` or ``"attach"``.
         attach_timeout: seconds an attacher waits for the creator to finish setting up.
 

@@ -201,6 +201,7 @@ impl HostMemory {
                     janitor,
                 }),
                 force_touch_prefault: false,
+                prefault_threads: num_threads,
                 test_creator_stall: test_creator_stall.map(|(secs, fail)| {
                     let pause = Duration::try_from_secs_f64(secs).unwrap_or(Duration::ZERO);
                     (pause.min(Duration::from_secs(3600)), fail)

@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 
 /// Bytes in a transparent huge page on x86-64 and arm64 (4 KiB base pages).
 pub const HUGE_PAGE_BYTES: usize = 2 << 20;
+/// The least a pre-fault thread takes: below it, starting the thread costs more than it saves.
+pub const PREFAULT_MIN_PART_BYTES: usize = 64 << 20;
 
 /// How a shared region is found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -53,6 +55,9 @@ pub struct RegionOptions {
     pub shared: Option<SharedOptions>,
     /// Pre-fault by touching each page even where `MADV_POPULATE_WRITE` exists (for tests).
     pub force_touch_prefault: bool,
+    /// Threads that pre-fault the memory together (0 or 1: the calling thread alone); each
+    /// takes a run of at least [`PREFAULT_MIN_PART_BYTES`].
+    pub prefault_threads: usize,
     /// For tests of the shared protocol: the creator of a shared region sleeps this long after
     /// publishing it, then fails if `.1` (so attachers see a slow, failed or killed creator).
     pub test_creator_stall: Option<(Duration, bool)>,
@@ -336,30 +341,87 @@ fn thp_enabled(shared: bool) -> Result<()> {
     Ok(())
 }
 
-/// Fault every page in: `MADV_POPULATE_WRITE` (Linux 5.14+), else touch one byte per page.
+/// Fault every page in: `MADV_POPULATE_WRITE` (Linux 5.14+), else touch one byte per page; on
+/// up to `options.prefault_threads` threads (the kernel's zeroing of fresh pages is CPU work).
 fn prefault(
     data: NonNull<u8>,
     len: usize,
     write_touch: bool,
     options: &RegionOptions,
 ) -> Result<&'static str> {
+    let threads = options.prefault_threads;
     if !options.force_touch_prefault {
-        // SAFETY: populating our own mapping changes no contents.
-        let rc = unsafe { libc::madvise(data.as_ptr().cast(), len, libc::MADV_POPULATE_WRITE) };
-        if rc == 0 {
-            return Ok("madv-populate-write");
-        }
-        let err = io::Error::last_os_error();
+        let results = for_each_part(data, len, threads, |ptr, part| {
+            // SAFETY: populating a part of our own mapping changes no contents.
+            let rc = unsafe { libc::madvise(ptr.cast(), part, libc::MADV_POPULATE_WRITE) };
+            if rc == 0 {
+                Ok(())
+            } else {
+                Err(io::Error::last_os_error())
+            }
+        });
         // EINVAL: a kernel without MADV_POPULATE_WRITE; fall back. Anything else is real
         // (ENOMEM: no memory to back the region; EFAULT/EIO: the pages cannot be populated).
-        if err.raw_os_error() != Some(libc::EINVAL) {
-            return Err(CoreError::Os(format!(
-                "pre-faulting {len} bytes (madvise(MADV_POPULATE_WRITE)) failed: {err}"
-            )));
+        match results.into_iter().find_map(std::result::Result::err) {
+            None => return Ok("madv-populate-write"),
+            Some(err) if err.raw_os_error() == Some(libc::EINVAL) => {}
+            Some(err) => {
+                return Err(CoreError::Os(format!(
+                    "pre-faulting {len} bytes (madvise(MADV_POPULATE_WRITE)) failed: {err}"
+                )))
+            }
         }
     }
-    touch_pages(data, len, write_touch);
+    for_each_part(data, len, threads, |ptr, part| {
+        // SAFETY: `ptr..ptr + part` is a part of the mapping.
+        touch_pages(unsafe { NonNull::new_unchecked(ptr) }, part, write_touch);
+    });
     Ok("touch")
+}
+
+/// Run `f(start, len)` over `[data, data + len)` cut into up to `threads` runs of whole huge
+/// pages (at least [`PREFAULT_MIN_PART_BYTES`] each), one thread a run, the first on the
+/// calling thread; the results in order.
+fn for_each_part<T: Send>(
+    data: NonNull<u8>,
+    len: usize,
+    threads: usize,
+    f: impl Fn(*mut u8, usize) -> T + Sync,
+) -> Vec<T> {
+    let parts = threads.min(len / PREFAULT_MIN_PART_BYTES).max(1);
+    let step = len.div_ceil(parts).next_multiple_of(HUGE_PAGE_BYTES);
+    // An address, not a pointer, so that it can cross to the other threads.
+    let base = data.as_ptr() as usize;
+    let run = |i: usize| {
+        let start = i * step;
+        // SAFETY: `run` is only called with `i < count`, so `start < len`: in the mapping.
+        f(
+            unsafe { (base as *mut u8).add(start) },
+            step.min(len - start),
+        )
+    };
+    let count = len.div_ceil(step.max(1)).max(1);
+    if count == 1 {
+        return vec![f(data.as_ptr(), len)];
+    }
+    std::thread::scope(|s| {
+        let others: Vec<_> = (1..count)
+            .map(|i| {
+                let thread = std::thread::Builder::new().name(format!("kvoffload-prefault-{i}"));
+                (i, thread.spawn_scoped(s, move || run(i)).ok())
+            })
+            .collect();
+        let mut out = vec![run(0)];
+        // A thread that could not start, or (never expected: a syscall or page touches) that
+        // panicked, has its run redone here: nothing unwinds into the caller.
+        for (i, handle) in others {
+            out.push(match handle.map(std::thread::ScopedJoinHandle::join) {
+                Some(Ok(r)) => r,
+                _ => run(i),
+            });
+        }
+        out
+    })
 }
 
 /// Touch one byte per page: write a zero (fresh memory) or read (memory with contents).
@@ -450,6 +512,39 @@ mod tests {
         assert!(r.info().huge_pages);
         assert_eq!(r.as_ptr() as usize % HUGE_PAGE_BYTES, 0);
         assert_eq!(r.mapped_len(), 5 * HUGE_PAGE_BYTES);
+    }
+
+    #[test]
+    fn prefault_parts_cover_the_region_once_in_huge_page_runs() {
+        let len = 200 * (1 << 20) + 123;
+        let mem = vec![0u8; len]; // never touched: `alloc_zeroed` maps it lazily
+        let data = NonNull::new(mem.as_ptr().cast_mut()).unwrap();
+        let base = data.as_ptr() as usize;
+        for threads in [0, 1, 2, 4, 64] {
+            let runs = for_each_part(data, len, threads, |p, n| (p as usize - base, n));
+            assert_eq!(runs.len(), threads.clamp(1, 3), "{threads} threads");
+            let mut next = 0;
+            for &(start, n) in &runs {
+                assert_eq!(start, next);
+                assert!(start % HUGE_PAGE_BYTES == 0 && n > 0);
+                next = start + n;
+            }
+            assert_eq!(next, len);
+        }
+    }
+
+    #[test]
+    fn prefault_on_threads_gives_zeroed_memory() {
+        for force_touch_prefault in [false, true] {
+            let o = RegionOptions {
+                prefault_threads: 2,
+                force_touch_prefault,
+                ..opts()
+            };
+            let r = Region::new(ChunkLayout::new(130, 1 << 20).unwrap(), &o).unwrap();
+            // SAFETY: nothing writes meanwhile.
+            assert!(unsafe { r.as_slice() }.iter().all(|&b| b == 0));
+        }
     }
 
     #[test]
