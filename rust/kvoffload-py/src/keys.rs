@@ -15,7 +15,14 @@ impl<'py> Keys<'py> {
     /// Collect the keys of `obj` (a list, tuple or any iterable of `bytes`).
     pub(crate) fn extract(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
         let py = obj.py();
-        let mut objs = Vec::new();
+        // Sized up front for a list or tuple: growing one push at a time cost more than reading
+        // the keys.
+        let known = obj
+            .cast::<PyList>()
+            .map(PyListMethods::len)
+            .or_else(|_| obj.cast::<PyTuple>().map(PyTupleMethods::len))
+            .unwrap_or(0);
+        let mut objs = Vec::with_capacity(known);
         let mut push = |item: Bound<'py, PyAny>| -> PyResult<()> {
             match item.cast_into::<PyBytes>() {
                 Ok(b) => {
@@ -314,9 +321,10 @@ impl<'py> Context<'py> {
         if !self.may_have_positions() {
             return Ok(None);
         }
-        keys.iter()
-            .map(|k| self.position(k.as_any()))
-            .collect::<PyResult<Vec<_>>>()
-            .map(Some)
+        let mut positions = Vec::with_capacity(keys.len());
+        for k in keys {
+            positions.push(self.position(k.as_any())?);
+        }
+        Ok(Some(positions))
     }
 }

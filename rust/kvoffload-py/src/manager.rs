@@ -510,9 +510,8 @@ impl ManagerCore {
     fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
-        let (hits, _) = self.policy_call(py, None, &keys.objs, None, |m, _| {
-            m.lookup_prefix(&slices)
-        })?;
+        let (hits, _) =
+            self.policy_call(py, None, &keys.objs, None, |m, _| m.lookup_prefix(&slices))?;
         Ok(hits)
     }
 
