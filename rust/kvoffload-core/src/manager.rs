@@ -9,6 +9,7 @@ use crate::admission::AdmissionTracker;
 use crate::error::{ensure, show_key, CoreError, Result};
 use crate::index::{prefetch, KeyIndex};
 use crate::key::{group_of, hash_key, KeyBuf, KeySlot};
+use crate::liveness::PendingWrites;
 use crate::policy::{
     Access, ArcPolicy, CachePolicy, FifoPolicy, FinishedKey, LfuPolicy, LruPolicy, PolicyState,
     S3FifoPolicy, SievePolicy, SlruPolicy, TwoQPolicy,
@@ -204,6 +205,8 @@ pub struct Manager {
     /// `protect[c] == protect_stamp` marks chunk `c` protected in the current eviction.
     protect: Vec<u64>,
     protect_stamp: u64,
+    /// Start times of the pending writes, oldest first.
+    liveness: PendingWrites,
 }
 
 impl Manager {
@@ -233,6 +236,7 @@ impl Manager {
             stores_skipped: 0,
             protect: Vec::new(),
             protect_stamp: 0,
+            liveness: PendingWrites::new(),
         })
     }
 
@@ -612,6 +616,7 @@ impl Manager {
         self.index.clear();
         self.slots.clear();
         self.protect.clear();
+        self.liveness.clear();
     }
 
     /// Detach the queued events (empty when events are disabled).
@@ -742,6 +747,7 @@ impl Manager {
             "manager: pool lends {} chunks, {n} resident",
             self.pool.num_used()
         );
+        self.liveness.validate(&self.refs)?;
         let resident: Vec<bool> = self.slots.iter().map(|s| s.resident).collect();
         self.policy.validate(&resident, &self.refs)
     }
@@ -850,6 +856,7 @@ impl Manager {
         for (&i, &c) in candidates.iter().zip(&chunks) {
             self.index_key(c, call.keys[i], call.hashes[i]);
             self.refs.insert_pending(c);
+            self.liveness.started(c, &self.refs);
             self.policy.insert(c, call.access(i, None), &mut req.rank);
             if let Some(j) = call.slots[i] {
                 req.seen[j as usize].flags |= INSERTED;
@@ -1089,4 +1096,55 @@ fn head_to_tail(req: &RequestState, positions: &[Option<i64>]) -> Vec<usize> {
         order.sort_by_key(|&i| positions[i]);
     }
     order
+}
+
+// --- liveness of pending writes ---
+
+/// The age of pending writes, and their optional expiry (see [`PendingWrites`]). Times are
+/// seconds on the caller's monotonic clock; a reading earlier than the latest one counts as the
+/// latest one.
+impl Manager {
+    /// Move the clock to `now`: writes placed from here on start at it.
+    pub fn set_clock(&mut self, now: f64) {
+        self.liveness.set_now(now);
+    }
+
+    /// The age at `now` of the oldest pending write, `None` when no write is pending.
+    pub fn oldest_pending_write(&mut self, now: f64) -> Option<f64> {
+        self.liveness.set_now(now);
+        let clock = self.liveness.now();
+        self.liveness
+            .oldest(&self.refs)
+            .map(|(start, _)| clock - start)
+    }
+
+    /// Writes pending now (ref count -1).
+    #[must_use]
+    pub fn num_pending_writes(&self) -> usize {
+        self.refs.num_pending()
+    }
+
+    /// End every write older than `timeout` at `now` (`now - start > timeout`) exactly as
+    /// `complete_store(keys, false)` would: chunks freed, one metadata-only removal event.
+    /// Returns `(chunk, key)` of each, oldest first.
+    pub fn expire_pending_writes(&mut self, now: f64, timeout: f64) -> Vec<(ChunkId, KeyBuf)> {
+        self.liveness.set_now(now);
+        let chunks = self.liveness.take_overdue(timeout, &self.refs);
+        if chunks.is_empty() {
+            return Vec::new();
+        }
+        let keys: Vec<KeyBuf> = chunks
+            .iter()
+            .map(|&c| self.slots[c as usize].key.clone())
+            .collect();
+        let slices: Vec<&[u8]> = keys.iter().map(KeyBuf::as_slice).collect();
+        let freed = self.complete_store(&slices, false);
+        debug_assert_eq!(freed, chunks, "every overdue write was pending");
+        chunks.into_iter().zip(keys).collect()
+    }
+
+    /// Writes expired since the last call; the count restarts.
+    pub fn take_expired_writes(&mut self) -> u64 {
+        self.liveness.take_expired()
+    }
 }
