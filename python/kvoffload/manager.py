@@ -6,7 +6,7 @@ Every call crosses into Rust once; key bytes, request state and token positions 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from kvoffload import _native, types
@@ -17,6 +17,12 @@ from kvoffload._common import (
     check_constructor_args,
     config_info_of,
     resolve_policy,
+)
+from kvoffload._liveness import (
+    add_liveness_stats,
+    check_clock,
+    check_pending_write_timeout,
+    timeout_for,
 )
 from kvoffload.errors import InvalidArgumentError, InvalidKeyError, UnsupportedPolicyError
 from kvoffload.shadow import HitCounts, ShadowSet, as_key_list
@@ -39,6 +45,15 @@ class CPUOffloadingManager:
 
     A drop-in for vLLM 0.33.0's ``CPUOffloadingManager``: same constructor, calls, results,
     events and stats. Illegal calls raise a :class:`kvoffload.KVOffloadError` and change nothing.
+
+    Beyond vLLM: ``oldest_pending_write()`` and ``num_pending_writes()`` report pending writes;
+    with ``pending_write_timeout`` set (seconds; None, the default, is vLLM's behaviour), a write
+    older than that expires as ``complete_store(keys, success=False)`` would, at the start of each
+    ``prepare_store`` (even one that then raises) and on ``expire_pending_writes()``, and
+    ``get_stats()`` adds the gauges ``kvoffload:pending_writes`` and
+    ``kvoffload:oldest_pending_write_age_seconds`` and the counter ``kvoffload:expired_writes``
+    (not with vLLM's result types, whose metrics code knows only vLLM's names). ``clock``
+    (default: a monotonic clock in Rust) gives the time in seconds, for tests.
     """
 
     #: Where the result classes come from (``LookupResult``, ``PrepareStoreOutput``,
@@ -64,9 +79,13 @@ class CPUOffloadingManager:
         info: Any = None,
         shadow_policies: Sequence[str] | None = None,
         admission: str = "tracker",
+        pending_write_timeout: float | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         check_constructor_args(num_chunks, store_threshold, max_tracker_size)
         check_admission(admission)
+        timeout = check_pending_write_timeout(pending_write_timeout)
+        check_clock(clock)
         policy = resolve_policy(cache_policy, cache_policy_module_path)
         if not isinstance(policy, str):
             raise UnsupportedPolicyError(
@@ -85,7 +104,11 @@ class CPUOffloadingManager:
             max_tracker_size,
             None if self._types is types else self._types,
             admission,
+            timeout,
+            clock,
         )
+        self._pending_write_timeout = timeout
+        self._liveness_stats = timeout is not None and self._types is types
         self._num_chunks = num_chunks
         self._config_info = config_info_of(info)
         self._lock = threading.Lock()
@@ -181,7 +204,10 @@ class CPUOffloadingManager:
     def get_stats(self) -> OffloadingStats:
         """Usage gauges, allocation-size samples and skipped stores since the last call."""
         num_chunks, used, pending, sizes, skipped = self._core.take_stats()
-        return build_stats(num_chunks, used, pending, sizes, skipped, self._types.OffloadingStats)
+        stats = build_stats(num_chunks, used, pending, sizes, skipped, self._types.OffloadingStats)
+        if self._liveness_stats:
+            add_liveness_stats(stats, *self._core.take_liveness_stats())
+        return stats
 
     def config_info(self) -> Sequence[dict[str, Any]]:
         """One mapping of the ``info`` fields given at construction (``[{}]`` without one)."""
@@ -226,6 +252,25 @@ class CPUOffloadingManager:
         """Set ARC's target size (tests only)."""
         self._core.set_arc_target(value)
 
+    # --- liveness of pending writes ---
+
+    def oldest_pending_write(self) -> float | None:
+        """The age in seconds of the oldest pending write; None when no write is pending."""
+        return self._core.oldest_pending_write()
+
+    def num_pending_writes(self) -> int:
+        """Writes pending now (prepared, not yet completed)."""
+        return self._core.num_pending_writes()
+
+    def expire_pending_writes(self, timeout: float | None = None) -> list[bytes]:
+        """End the writes older than ``timeout`` seconds (default: ``pending_write_timeout``).
+
+        Each ends exactly as ``complete_store(keys, success=False)`` ends it: chunk freed, one
+        metadata-only removal event for all of them. Returns their keys, oldest first; a later
+        ``complete_store`` of one of them does nothing (unless the key was stored again).
+        """
+        return self._core.expire_pending_writes(timeout_for(timeout, self._pending_write_timeout))
+
 
 class _ShadowedManager(CPUOffloadingManager):
     """A `CPUOffloadingManager` with what-if shadow policies (see `kvoffload.shadow`)."""
@@ -241,6 +286,8 @@ class _ShadowedManager(CPUOffloadingManager):
         info: Any = None,
         shadow_policies: Sequence[str] | None = None,
         admission: str = "tracker",
+        pending_write_timeout: float | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         super().__init__(
             num_chunks,
@@ -252,6 +299,8 @@ class _ShadowedManager(CPUOffloadingManager):
             info,
             shadow_policies,
             admission,
+            pending_write_timeout,
+            clock,
         )
         self._shadows = ShadowSet(
             cache_policy, list(shadow_policies or ()), num_chunks, store_threshold, max_tracker_size

@@ -3,6 +3,7 @@
 
 use crate::errors::{poisoned, raise, to_py};
 use crate::keys::{build, one_key, position_value, result_types, Context, Keys, ResultTypes};
+use crate::liveness::Liveness;
 use crate::policy::state::{state_dict, state_keys};
 use crate::request::RequestState;
 use kvoffload_core::{self as core, Lookup, Manager, ManagerConfig, PolicyKind};
@@ -70,6 +71,8 @@ pub(crate) struct ManagerCore {
     reads_positions: bool,
     /// The classes results are built from when not `kvoffload.types`' (vLLM's, say).
     types: Option<ResultTypes>,
+    /// The clock of pending writes, and their expiry.
+    liveness: Liveness,
 }
 
 impl ManagerCore {
@@ -223,6 +226,24 @@ impl ManagerCore {
             .collect::<PyResult<Vec<_>>>()
             .map(Some)
     }
+
+    /// Expire the writes older than `timeout` at `now`; their stored key objects, oldest first.
+    fn expire<'py>(&self, py: Python<'py>, now: f64, timeout: f64) -> PyResult<Bound<'py, PyList>> {
+        let (expired, objs) = {
+            let mut m = self.lock(py)?;
+            let expired = m.expire_pending_writes(now, timeout);
+            let chunks: Vec<core::ChunkId> = expired.iter().map(|&(c, _)| c).collect();
+            let objs = m.take_keys(&chunks);
+            (expired, objs)
+        };
+        PyList::new(
+            py,
+            expired
+                .iter()
+                .zip(objs)
+                .map(|((_, k), obj)| obj.map_or_else(|| PyBytes::new(py, k), |o| o.into_bound(py))),
+        )
+    }
 }
 
 fn lookup_index(l: Lookup) -> usize {
@@ -252,7 +273,7 @@ impl ManagerCore {
     #[new]
     #[pyo3(signature = (
         num_chunks, policy, enable_events, store_threshold, max_tracker_size, result_types=None,
-        admission="tracker"
+        admission="tracker", pending_write_timeout=None, clock=None
     ))]
     #[allow(clippy::too_many_arguments)] // the manager's constructor arguments, one for one
     fn new(
@@ -264,7 +285,10 @@ impl ManagerCore {
         max_tracker_size: i64,
         result_types: Option<&Bound<'_, PyAny>>,
         admission: &str,
+        pending_write_timeout: Option<f64>,
+        clock: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let liveness = Liveness::new(py, pending_write_timeout, clock)?;
         let admission = match admission {
             "tracker" => core::Admission::Tracker,
             "tinylfu" => core::Admission::TinyLfu,
@@ -327,6 +351,7 @@ impl ManagerCore {
             policy: policy.name(),
             reads_positions: policy == PolicyKind::Lru,
             types,
+            liveness,
         })
     }
 
@@ -399,6 +424,11 @@ impl ManagerCore {
         keys: &Bound<'py, PyAny>,
         ctx: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        // The clock is read, and overdue writes expire, before anything else.
+        let now = self.liveness.now(py)?;
+        if let Some(timeout) = self.liveness.timeout {
+            self.expire(py, now, timeout)?;
+        }
         let keys = Keys::extract(keys)?;
         let ctx = Context::new(ctx)?;
         let positions = self.positions(&ctx, &keys)?;
@@ -411,6 +441,7 @@ impl ManagerCore {
         let slices = keys.slices();
         let (outcome, evicted_objs) = self
             .with_state(state.get(), |m, s| {
+                m.set_clock(now);
                 let outcome = m.prepare_store(&slices, positions.as_deref(), s);
                 let mut objs = Vec::new();
                 if let Ok(Some(out)) = &outcome {
@@ -634,5 +665,35 @@ impl ManagerCore {
                 "only the ARC policy has a target size".into(),
             ))
         }
+    }
+    /// Age in seconds of the oldest pending write, `None` when none is pending.
+    fn oldest_pending_write(&self, py: Python<'_>) -> PyResult<Option<f64>> {
+        let now = self.liveness.now(py)?;
+        Ok(self.lock(py)?.oldest_pending_write(now))
+    }
+
+    /// Writes pending now.
+    fn num_pending_writes(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.lock(py)?.num_pending_writes())
+    }
+
+    /// Expire the writes older than `timeout` (default: the manager's); their keys, oldest first.
+    #[pyo3(signature = (timeout=None))]
+    fn expire_pending_writes<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let timeout = self.liveness.timeout_for(py, timeout)?;
+        let now = self.liveness.now(py)?;
+        self.expire(py, now, timeout)
+    }
+
+    /// `(pending writes, oldest one's age or None, writes expired since the last call)`.
+    fn take_liveness_stats(&self, py: Python<'_>) -> PyResult<(usize, Option<f64>, u64)> {
+        let now = self.liveness.now(py)?;
+        let mut m = self.lock(py)?;
+        let oldest = m.oldest_pending_write(now);
+        Ok((m.num_pending_writes(), oldest, m.take_expired_writes()))
     }
 }
