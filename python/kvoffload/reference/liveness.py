@@ -3,9 +3,9 @@
 The twin of kvoffload-core's ``liveness.rs``: a FIFO with lazy deletion. Completing or failing a
 store never touches the queue; an entry is live while its key still maps to the very
 ``ChunkStatus`` object the entry was made with and that status is pending (ref count -1). Dead
-entries are dropped when they reach the front, and the queue is compacted when a write finds it
-holding ``2 * pending + SLACK`` entries or more, so it stays O(pending writes) and each write
-costs O(1) amortised.
+entries are dropped when they reach the front; when a batch of writes would bring the queue to
+``2 * pending + SLACK`` entries, the dead ones at the front go, and if that is not enough the
+whole queue is compacted. So it stays O(pending writes), at O(1) amortised per write.
 
 The clock only moves forward: a reading below the latest one (or below 0 at the start) counts as
 the latest one, so start times never decrease along the queue.
@@ -43,11 +43,14 @@ class PendingWrites:
         _, key, status = entry
         return status.ref_cnt == -1 and self._lookup(key) is status
 
-    def started(self, key: bytes, status: ChunkStatus, num_pending: int) -> None:
-        """``key`` started a write now (``num_pending``: writes pending, this one included)."""
-        if len(self._queue) >= 2 * num_pending + SLACK:
-            self._queue = deque(e for e in self._queue if self._is_live(e))
-        self._queue.append((self.now, key, status))
+    def started(self, writes: list[tuple[bytes, ChunkStatus]], num_pending: int) -> None:
+        """The ``(key, status)`` writes started now (``num_pending``: pending, these included)."""
+        bound = 2 * num_pending + SLACK
+        if len(self._queue) + len(writes) >= bound:
+            self._prune_front()  # writes mostly end in the order they started
+            if len(self._queue) + len(writes) >= bound:
+                self._queue = deque(e for e in self._queue if self._is_live(e))
+        self._queue.extend((self.now, key, status) for key, status in writes)
 
     def _prune_front(self) -> None:
         while self._queue and not self._is_live(self._queue[0]):

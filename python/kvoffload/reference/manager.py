@@ -462,12 +462,14 @@ class CPUOffloadingManager:
             self._emit(removed_event(list(evicted_keys), metadata_only=False))
         # 9: allocate and insert as pending.
         chunk_ids = self._pool.allocate(len(to_store))
-        for i, (key, chunk_id) in enumerate(zip(to_store, chunk_ids, strict=True)):
+        writes = []
+        for key, chunk_id in zip(to_store, chunk_ids, strict=True):
             status = ChunkStatus(chunk_id, -1)
             self._policy.insert(key, status, req_context)
-            self._writes.started(key, status, self._num_pending + i + 1)
+            writes.append((key, status))
             state.inserted.add(key)
         self._num_pending += len(to_store)
+        self._writes.started(writes, self._num_pending)
         return PrepareStoreOutput(
             keys_to_store=to_store,
             store_spec=CPULoadStoreSpec(chunk_ids),

@@ -4,19 +4,23 @@
 //!
 //! A FIFO with lazy deletion. Completing or failing a store never touches the queue: an entry is
 //! live while its chunk is pending and the entry is the chunk's latest write (same ticket). Dead
-//! entries are dropped when they reach the front, and the whole queue is compacted when a write
-//! finds it holding `2 * pending + SLACK` entries or more (each compaction removes at least half
-//! of what it reads: amortised O(1) per write). So it never holds more than twice the chunks in
+//! entries are dropped when they reach the front; when a batch of writes would bring the queue
+//! to `2 * pending + SLACK` entries, the dead ones at the front go, and if that is not enough the
+//! whole queue is compacted (removing at least half of what it reads: amortised O(1) per write). So it never holds more than twice the chunks in
 //! use, plus `SLACK`.
 //!
-//! Times are seconds on the caller's monotonic clock. The clock only moves forward: a reading
-//! below the latest one counts as the latest one (as does a reading below 0 at the start), so
-//! start times never decrease along the queue and the front is the oldest live write.
+//! Times are seconds on a monotonic clock: readings the caller gives (`set_now`), or, with a
+//! clock source set, [`monotonic_seconds`] read once per batch of writes (so a call that starts
+//! no write reads no clock). The clock only moves forward: a reading below the latest one counts
+//! as the latest one (as does a reading below 0 at the start), so start times never decrease
+//! along the queue and the front is the oldest live write.
 
 use crate::error::{ensure, Result};
 use crate::pool::ChunkId;
 use crate::refcount::{ChunkState, RefCountTable};
 use std::collections::VecDeque;
+use std::sync::OnceLock;
+use std::time::Instant;
 
 /// Dead entries tolerated beyond the live ones before a compaction.
 const SLACK: usize = 64;
@@ -28,9 +32,18 @@ struct Entry {
     ticket: u64,
 }
 
+/// Seconds since the first call in this process, on `std::time::Instant` (monotonic).
+#[must_use]
+pub fn monotonic_seconds() -> f64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    EPOCH.get_or_init(Instant::now).elapsed().as_secs_f64()
+}
+
 /// Start times of the pending writes, oldest first. See the module docs.
 #[derive(Debug, Clone, Default)]
 pub struct PendingWrites {
+    /// Read when writes start; `None`: only `set_now` moves the clock.
+    source: Option<fn() -> f64>,
     queue: VecDeque<Entry>,
     /// The ticket of each chunk's latest write (0: none since the last clear).
     tickets: Vec<u64>,
@@ -49,6 +62,11 @@ impl PendingWrites {
         Self::default()
     }
 
+    /// Read `source` whenever writes start (`None`: only `set_now` moves the clock).
+    pub fn set_source(&mut self, source: Option<fn() -> f64>) {
+        self.source = source;
+    }
+
     /// Move the clock to `now` if that is later (an earlier or NaN reading changes nothing).
     pub fn set_now(&mut self, now: f64) {
         if now > self.now {
@@ -62,22 +80,33 @@ impl PendingWrites {
         self.now
     }
 
-    /// Chunk `c` started a write at the current time (it is pending in `refs` from now on).
-    pub fn started(&mut self, c: ChunkId, refs: &RefCountTable) {
-        if self.queue.len() >= 2 * refs.num_pending() + SLACK {
-            self.compact(refs);
+    /// The writes to `chunks` started now (they are pending in `refs` already).
+    pub fn started(&mut self, chunks: &[ChunkId], refs: &RefCountTable) {
+        if let (Some(source), false) = (self.source, chunks.is_empty()) {
+            self.set_now(source());
         }
-        let i = c as usize;
-        if i >= self.tickets.len() {
-            self.tickets.resize(i + 1, 0);
+        let bound = 2 * refs.num_pending() + SLACK;
+        if self.queue.len() + chunks.len() >= bound {
+            // Writes mostly end in the order they started: the dead ones are at the front.
+            self.prune_front(refs);
+            if self.queue.len() + chunks.len() >= bound {
+                self.compact(refs);
+            }
         }
-        self.last_ticket += 1;
-        self.tickets[i] = self.last_ticket;
-        self.queue.push_back(Entry {
-            start: self.now,
-            chunk: c,
-            ticket: self.last_ticket,
-        });
+        self.queue.reserve(chunks.len());
+        for &c in chunks {
+            let i = c as usize;
+            if i >= self.tickets.len() {
+                self.tickets.resize(i + 1, 0);
+            }
+            self.last_ticket += 1;
+            self.tickets[i] = self.last_ticket;
+            self.queue.push_back(Entry {
+                start: self.now,
+                chunk: c,
+                ticket: self.last_ticket,
+            });
+        }
     }
 
     /// Whether `e` is the latest write of its chunk and that chunk is still pending.
@@ -187,7 +216,7 @@ mod tests {
 
     fn start(w: &mut PendingWrites, refs: &mut RefCountTable, c: ChunkId) {
         refs.insert_pending(c);
-        w.started(c, refs);
+        w.started(&[c], refs);
     }
 
     #[test]
@@ -275,6 +304,22 @@ mod tests {
             w.validate(&refs).unwrap();
         }
         assert_eq!(w.oldest(&refs), Some((0.0, 0)));
+    }
+
+    #[test]
+    fn a_clock_source_is_read_when_writes_start() {
+        fn ten() -> f64 {
+            10.0
+        }
+        let mut refs = table(2);
+        let mut w = PendingWrites::new();
+        w.set_source(Some(ten));
+        w.started(&[], &refs);
+        assert!(w.now() < 10.0); // no write, no reading
+        start(&mut w, &mut refs, 0);
+        assert_eq!(w.oldest(&refs), Some((10.0, 0)));
+        let t = monotonic_seconds();
+        assert!(t >= 0.0 && monotonic_seconds() >= t);
     }
 
     #[test]

@@ -856,12 +856,12 @@ impl Manager {
         for (&i, &c) in candidates.iter().zip(&chunks) {
             self.index_key(c, call.keys[i], call.hashes[i]);
             self.refs.insert_pending(c);
-            self.liveness.started(c, &self.refs);
             self.policy.insert(c, call.access(i, None), &mut req.rank);
             if let Some(j) = call.slots[i] {
                 req.seen[j as usize].flags |= INSERTED;
             }
         }
+        self.liveness.started(&chunks, &self.refs);
         chunks
     }
 
@@ -1107,6 +1107,12 @@ impl Manager {
     /// Move the clock to `now`: writes placed from here on start at it.
     pub fn set_clock(&mut self, now: f64) {
         self.liveness.set_now(now);
+    }
+
+    /// Read `source` whenever writes are placed (`None`: only [`set_clock`](Self::set_clock)
+    /// and the `now` arguments below move the clock).
+    pub fn set_clock_source(&mut self, source: Option<fn() -> f64>) {
+        self.liveness.set_source(source);
     }
 
     /// The age at `now` of the oldest pending write, `None` when no write is pending.

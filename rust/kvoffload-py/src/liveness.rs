@@ -1,18 +1,18 @@
 //! The clock and the expiry setting of a `ManagerCore`'s pending writes (core: `liveness`).
 //!
-//! Readings come from `std::time::Instant` (seconds since the manager was built), or from a
-//! Python callable given for tests; that one is called with no Rust lock held.
+//! Readings come from the core's `monotonic_seconds` (`std::time::Instant`), which the core reads
+//! itself when writes are placed, or from a Python callable given for tests, which is called with
+//! no Rust lock held, once at the start of each call that needs the time.
 
 use crate::errors::raise;
+use kvoffload_core::liveness::monotonic_seconds;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyInt};
-use std::time::Instant;
 
 /// Where a manager's time comes from, and after how long a pending write expires.
 pub(crate) struct Liveness {
-    /// A Python callable returning seconds; `None`: `Instant`, from `epoch`.
+    /// A Python callable returning seconds; `None`: `monotonic_seconds`.
     clock: Option<Py<PyAny>>,
-    epoch: Instant,
     /// `None`: writes never expire (vLLM's behaviour).
     pub(crate) timeout: Option<f64>,
 }
@@ -43,15 +43,31 @@ impl Liveness {
         }
         Ok(Self {
             clock: clock.map(Bound::unbind),
-            epoch: Instant::now(),
             timeout,
         })
+    }
+
+    /// The core's own clock source, unless a Python clock replaces it.
+    pub(crate) fn source(&self) -> Option<fn() -> f64> {
+        self.clock
+            .is_none()
+            .then_some(monotonic_seconds as fn() -> f64)
+    }
+
+    /// The reading a `prepare_store` needs before its call: a Python clock's (always), or the
+    /// core clock's when overdue writes are to expire; `None`: the core reads its own clock.
+    pub(crate) fn store_reading(&self, py: Python<'_>) -> PyResult<Option<f64>> {
+        if self.clock.is_some() || self.timeout.is_some() {
+            self.now(py).map(Some)
+        } else {
+            Ok(None)
+        }
     }
 
     /// The time now, in seconds. A clock's reading must be a finite int or float.
     pub(crate) fn now(&self, py: Python<'_>) -> PyResult<f64> {
         let Some(clock) = &self.clock else {
-            return Ok(self.epoch.elapsed().as_secs_f64());
+            return Ok(monotonic_seconds());
         };
         let value = clock.bind(py).call0()?;
         let number = !value.is_instance_of::<PyBool>()

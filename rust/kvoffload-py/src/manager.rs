@@ -342,7 +342,8 @@ impl ManagerCore {
             max_tracker_size,
             admission,
         };
-        let inner = Manager::new(&config).map_err(|e| to_py(py, e))?;
+        let mut inner = Manager::new(&config).map_err(|e| to_py(py, e))?;
+        inner.set_clock_source(liveness.source());
         Ok(Self {
             inner: Mutex::new(Core {
                 manager: inner,
@@ -425,8 +426,8 @@ impl ManagerCore {
         ctx: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         // The clock is read, and overdue writes expire, before anything else.
-        let now = self.liveness.now(py)?;
-        if let Some(timeout) = self.liveness.timeout {
+        let now = self.liveness.store_reading(py)?;
+        if let (Some(now), Some(timeout)) = (now, self.liveness.timeout) {
             self.expire(py, now, timeout)?;
         }
         let keys = Keys::extract(keys)?;
@@ -441,7 +442,9 @@ impl ManagerCore {
         let slices = keys.slices();
         let (outcome, evicted_objs) = self
             .with_state(state.get(), |m, s| {
-                m.set_clock(now);
+                if let Some(now) = now {
+                    m.set_clock(now);
+                }
                 let outcome = m.prepare_store(&slices, positions.as_deref(), s);
                 let mut objs = Vec::new();
                 if let Ok(Some(out)) = &outcome {
