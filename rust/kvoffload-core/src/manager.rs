@@ -1101,8 +1101,8 @@ fn head_to_tail(req: &RequestState, positions: &[Option<i64>]) -> Vec<usize> {
 // --- liveness of pending writes ---
 
 /// The age of pending writes, and their optional expiry (see [`PendingWrites`]). Times are
-/// seconds on the caller's monotonic clock; a reading earlier than the latest one counts as the
-/// latest one.
+/// seconds on a monotonic clock (the caller's readings, or the clock source); a reading earlier
+/// than the latest one counts as the latest one.
 impl Manager {
     /// Move the clock to `now`: writes placed from here on start at it.
     pub fn set_clock(&mut self, now: f64) {
