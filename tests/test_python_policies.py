@@ -582,3 +582,24 @@ def test_threads_share_a_manager_with_a_python_policy() -> None:
     assert not any(t.is_alive() for t in threads)
     assert errors == []
     _policy_agrees(m)
+
+
+def test_expired_writes_are_removed_from_a_python_policy() -> None:
+    now = [0.0]
+    m = _flaky_manager(4, pending_write_timeout=1.0, clock=lambda: now[0])
+    ctx = ReqContext(req_id="r")
+    a, b = b"a" * 4, b"b" * 4
+    m.prepare_store([a], ctx)
+    now[0] = 0.5
+    m.prepare_store([b], ctx)
+    now[0] = 1.2
+    m.policy.calls.clear()
+    assert m.expire_pending_writes() == [a]
+    assert m.policy.calls == ["remove"]
+    _policy_agrees(m)
+    now[0] = 3.0
+    m.policy.fail_in = "remove"
+    with pytest.raises(RuntimeError, match="remove"):
+        m.expire_pending_writes()
+    assert m.resident() == {}  # the expiry stands, as a failed store's removal does
+    _policy_agrees(m)

@@ -231,6 +231,28 @@ def test_stats_go_through_vllms_metrics_code(oracle: Any, vllm_mod: Any) -> None
     assert payloads[0][1]["vllm:kv_offload_stores_skipped"] == 5  # 1, 2; 3; 4, 5
 
 
+def test_write_expiry_keeps_vllms_stats_payload(oracle: Any, vllm_mod: Any) -> None:
+    # With vLLM's classes the liveness gauges stay out of get_stats (vLLM's Prometheus code
+    # knows only the metric names its spec declares); the expiry itself still works.
+    now = [0.0]
+    ours = vllm_mod.KVOffloadCPUOffloadingManager(
+        4, enable_events=True, pending_write_timeout=1.0, clock=lambda: now[0]
+    )
+    theirs = oracle.manager_module.CPUOffloadingManager(4, enable_events=True)
+    for mgr in (ours, theirs):
+        ctx = oracle.ReqContext("r")
+        mgr.on_new_request(ctx)
+        mgr.prepare_store([key(1), key(2)], ctx)
+    now[0] = 2.0
+    assert ours.expire_pending_writes() == [key(1), key(2)]
+    for mgr in (ours, theirs):
+        mgr.complete_store([key(1), key(2)], oracle.ReqContext("r"), success=False)
+    assert [(e.keys, e.metadata_only) for e in ours.take_events()] == [
+        (e.keys, e.metadata_only) for e in theirs.take_events()
+    ]
+    assert ours.get_stats().data == theirs.get_stats().data
+
+
 def test_context_class_registration(oracle: Any, vllm_mod: Any) -> None:
     from kvoffload import InvalidArgumentError, _native
 

@@ -6,7 +6,7 @@ Every call crosses into Rust once; key bytes, request state and token positions 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from kvoffload import _native, types
@@ -16,6 +16,12 @@ from kvoffload._common import (
     check_constructor_args,
     config_info_of,
     resolve_policy,
+)
+from kvoffload._liveness import (
+    add_liveness_stats,
+    check_clock,
+    check_pending_write_timeout,
+    timeout_for,
 )
 from kvoffload.errors import InvalidArgumentError, InvalidKeyError
 from kvoffload.policies import status_class_for
@@ -55,6 +61,15 @@ class CPUOffloadingManager:
       the manager and the policy agree; the first exception is then raised;
     - an ``evict`` answer that breaks the contract raises `kvoffload.PolicyError`;
     - a policy method that calls back into its manager gets `kvoffload.ReentrantCallError`.
+
+    Beyond vLLM: ``oldest_pending_write()`` and ``num_pending_writes()`` report pending writes;
+    with ``pending_write_timeout`` set (seconds; None, the default, is vLLM's behaviour), a write
+    older than that expires as ``complete_store(keys, success=False)`` would, at the start of each
+    ``prepare_store`` (even one that then raises) and on ``expire_pending_writes()``, and
+    ``get_stats()`` adds the gauges ``kvoffload:pending_writes`` and
+    ``kvoffload:oldest_pending_write_age_seconds`` and the counter ``kvoffload:expired_writes``
+    (not with vLLM's result types, whose metrics code knows only vLLM's names). ``clock``
+    (default: a monotonic clock in Rust) gives the time in seconds, for tests.
     """
 
     #: Where the result classes come from (``LookupResult``, ``PrepareStoreOutput``,
@@ -80,9 +95,13 @@ class CPUOffloadingManager:
         info: Any = None,
         shadow_policies: Sequence[str] | None = None,
         admission: str = "tracker",
+        pending_write_timeout: float | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         check_constructor_args(num_chunks, store_threshold, max_tracker_size)
         check_admission(admission)
+        timeout = check_pending_write_timeout(pending_write_timeout)
+        check_clock(clock)
         resolved = resolve_policy(cache_policy, cache_policy_module_path)
         policy: Any = resolved
         status_class: type | None = None
@@ -101,7 +120,11 @@ class CPUOffloadingManager:
             None if self._types is types else self._types,
             admission,
             status_class,
+            timeout,
+            clock,
         )
+        self._pending_write_timeout = timeout
+        self._liveness_stats = timeout is not None and self._types is types
         self._num_chunks = num_chunks
         self._config_info = config_info_of(info)
         self._lock = threading.Lock()
@@ -202,7 +225,10 @@ class CPUOffloadingManager:
     def get_stats(self) -> OffloadingStats:
         """Usage gauges, allocation-size samples and skipped stores since the last call."""
         num_chunks, used, pending, sizes, skipped = self._core.take_stats()
-        return build_stats(num_chunks, used, pending, sizes, skipped, self._types.OffloadingStats)
+        stats = build_stats(num_chunks, used, pending, sizes, skipped, self._types.OffloadingStats)
+        if self._liveness_stats:
+            add_liveness_stats(stats, *self._core.take_liveness_stats())
+        return stats
 
     def config_info(self) -> Sequence[dict[str, Any]]:
         """One mapping of the ``info`` fields given at construction (``[{}]`` without one)."""
@@ -247,6 +273,25 @@ class CPUOffloadingManager:
         """Set ARC's target size (tests only)."""
         self._core.set_arc_target(value)
 
+    # --- liveness of pending writes ---
+
+    def oldest_pending_write(self) -> float | None:
+        """The age in seconds of the oldest pending write; None when no write is pending."""
+        return self._core.oldest_pending_write()
+
+    def num_pending_writes(self) -> int:
+        """Writes pending now (prepared, not yet completed)."""
+        return self._core.num_pending_writes()
+
+    def expire_pending_writes(self, timeout: float | None = None) -> list[bytes]:
+        """End the writes older than ``timeout`` seconds (default: ``pending_write_timeout``).
+
+        Each ends exactly as ``complete_store(keys, success=False)`` ends it: chunk freed, one
+        metadata-only removal event for all of them. Returns their keys, oldest first; a later
+        ``complete_store`` of one of them does nothing (unless the key was stored again).
+        """
+        return self._core.expire_pending_writes(timeout_for(timeout, self._pending_write_timeout))
+
 
 class _ShadowedManager(CPUOffloadingManager):
     """A `CPUOffloadingManager` with what-if shadow policies (see `kvoffload.shadow`)."""
@@ -262,6 +307,8 @@ class _ShadowedManager(CPUOffloadingManager):
         info: Any = None,
         shadow_policies: Sequence[str] | None = None,
         admission: str = "tracker",
+        pending_write_timeout: float | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         super().__init__(
             num_chunks,
@@ -273,6 +320,8 @@ class _ShadowedManager(CPUOffloadingManager):
             info,
             shadow_policies,
             admission,
+            pending_write_timeout,
+            clock,
         )
         self._shadows = ShadowSet(
             cache_policy, list(shadow_policies or ()), num_chunks, store_threshold, max_tracker_size

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from kvoffload._common import (
@@ -27,6 +28,13 @@ from kvoffload._common import (
     removed_event,
     resolve_policy,
     stored_event,
+)
+from kvoffload._liveness import (
+    add_liveness_stats,
+    check_clock,
+    check_pending_write_timeout,
+    read_clock,
+    timeout_for,
 )
 from kvoffload.errors import (
     DuplicateKeyError,
@@ -40,6 +48,7 @@ from kvoffload.reference.arc import ArcPolicy
 from kvoffload.reference.arc_paper import LibCacheSimArc
 from kvoffload.reference.fifo import FifoPolicy
 from kvoffload.reference.lfu import LfuPolicy
+from kvoffload.reference.liveness import PendingWrites
 from kvoffload.reference.lru import LruPolicy
 from kvoffload.reference.policy import (
     CachePolicy,
@@ -161,7 +170,14 @@ def _repeats(keys: list[bytes]) -> list[bytes]:
 
 
 class CPUOffloadingManager:
-    """vLLM 0.33.0's ``CPUOffloadingManager`` (scheduler side), the readable reference."""
+    """vLLM 0.33.0's ``CPUOffloadingManager`` (scheduler side), the readable reference.
+
+    Beyond vLLM: ``oldest_pending_write()`` and ``num_pending_writes()`` report pending writes;
+    with ``pending_write_timeout`` set (seconds; None, the default, is vLLM's behaviour), a write
+    older than that expires as ``complete_store(keys, success=False)`` would, at the start of each
+    ``prepare_store`` and on ``expire_pending_writes()``. ``clock`` (default ``time.monotonic``)
+    gives the time, in seconds (see ``kvoffload._liveness``).
+    """
 
     medium = Medium.CPU
 
@@ -175,9 +191,14 @@ class CPUOffloadingManager:
         max_tracker_size: int = 64_000,
         info: object = None,
         admission: str = "tracker",
+        pending_write_timeout: float | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         check_constructor_args(num_chunks, store_threshold, max_tracker_size)
         check_admission(admission)
+        self._pending_write_timeout = check_pending_write_timeout(pending_write_timeout)
+        check_clock(clock)
+        self._clock: Callable[[], float] = time.monotonic if clock is None else clock
         resolved = resolve_policy(cache_policy, cache_policy_module_path)
         self.num_chunks = num_chunks
         self._builtin_policy = isinstance(resolved, str)
@@ -206,6 +227,7 @@ class CPUOffloadingManager:
         self._generation = 0  # bumped by reset_cache; older request state is stale
         self._config_info = config_info_of(info)
         self._lock = threading.Lock()
+        self._writes = PendingWrites(self._policy.get)
 
     @property
     def lock(self) -> threading.Lock:
@@ -349,7 +371,14 @@ class CPUOffloadingManager:
     def prepare_store(
         self, keys: Iterable[bytes], req_context: RequestContext
     ) -> PrepareStoreOutput | None:
-        """Pick the keys to store and give them chunks, evicting if needed (None if impossible)."""
+        """Pick the keys to store and give them chunks, evicting if needed (None if impossible).
+
+        First of all the clock is read and, with ``pending_write_timeout`` set, overdue writes
+        expire (that stands even if the call then raises).
+        """
+        self._writes.set_now(read_clock(self._clock))
+        if self._pending_write_timeout is not None:
+            self._expire(self._pending_write_timeout)
         key_list = _as_keys(keys)
         offered = set(key_list)
         if len(offered) != len(key_list):
@@ -433,10 +462,14 @@ class CPUOffloadingManager:
             self._emit(removed_event(list(evicted_keys), metadata_only=False))
         # 9: allocate and insert as pending.
         chunk_ids = self._pool.allocate(len(to_store))
+        writes = []
         for key, chunk_id in zip(to_store, chunk_ids, strict=True):
-            self._policy.insert(key, ChunkStatus(chunk_id, -1), req_context)
+            status = ChunkStatus(chunk_id, -1)
+            self._policy.insert(key, status, req_context)
+            writes.append((key, status))
             state.inserted.add(key)
         self._num_pending += len(to_store)
+        self._writes.started(writes, self._num_pending)
         return PrepareStoreOutput(
             keys_to_store=to_store,
             store_spec=CPULoadStoreSpec(chunk_ids),
@@ -447,7 +480,9 @@ class CPUOffloadingManager:
         self, keys: Iterable[bytes], req_context: RequestContext, success: bool = True
     ) -> None:
         """Pending keys become ready (or, on failure, are dropped); other keys are ignored."""
-        key_list = _as_keys(keys)
+        self._end_stores(_as_keys(keys), success)
+
+    def _end_stores(self, key_list: list[bytes], success: bool) -> None:
         done = []
         for key in key_list:
             status = self._policy.get(key)
@@ -500,7 +535,39 @@ class CPUOffloadingManager:
         )
         self._allocation_sizes = []
         self._stores_skipped = 0
+        if self._pending_write_timeout is not None:
+            self._writes.set_now(read_clock(self._clock))
+            expired, self._writes.expired = self._writes.expired, 0
+            add_liveness_stats(stats, self._num_pending, self._writes.oldest_age(), expired)
         return stats
+
+    # -- liveness of pending writes ----------------------------------------------------------------
+
+    def _expire(self, timeout: float) -> list[bytes]:
+        overdue = self._writes.take_overdue(timeout)
+        if overdue:
+            self._end_stores(overdue, success=False)
+        return overdue
+
+    def oldest_pending_write(self) -> float | None:
+        """The age in seconds of the oldest pending write; None when no write is pending."""
+        self._writes.set_now(read_clock(self._clock))
+        return self._writes.oldest_age()
+
+    def num_pending_writes(self) -> int:
+        """Writes pending now (prepared, not yet completed)."""
+        return self._num_pending
+
+    def expire_pending_writes(self, timeout: float | None = None) -> list[bytes]:
+        """End the writes older than ``timeout`` seconds (default: ``pending_write_timeout``).
+
+        Each ends exactly as ``complete_store(keys, success=False)`` ends it: chunk freed, one
+        metadata-only removal event for all of them. Returns their keys, oldest first; a later
+        ``complete_store`` of one of them does nothing (unless the key was stored again).
+        """
+        seconds = timeout_for(timeout, self._pending_write_timeout)
+        self._writes.set_now(read_clock(self._clock))
+        return self._expire(seconds)
 
     def config_info(self) -> list[dict[str, Any]]:
         """One mapping of the ``info`` fields (``[{}]`` without info)."""
@@ -513,6 +580,7 @@ class CPUOffloadingManager:
         """
         self._policy.clear()
         self._pool.reset()
+        self._writes.clear()
         self._num_pending = 0
         self._num_evictable = 0
         self._generation += 1
@@ -612,6 +680,7 @@ class CPUOffloadingManager:
         )
         if self._tracker is not None:
             self._tracker.check_invariants()
+        self._writes.check_invariants(self._num_pending)
         check_policy = getattr(self._policy, "check_invariants", None)
         if callable(check_policy):  # an out-of-tree policy may have none
             check_policy()

@@ -9,7 +9,9 @@
 //! - each resident key's ref count is what the driver's own model says: -1 while its store is in
 //!   flight, else the number of loads prepared and not completed; a pinned or pending key is
 //!   never evicted;
-//! - a call that returns `Err` changed nothing (resident keys, pool, policy order, tracker).
+//! - a call that returns `Err` changed nothing (resident keys, pool, policy order, tracker);
+//! - on a clock the driver advances: the age of the oldest pending write and the number pending
+//!   are the model's, and an expiry ends exactly the writes older than its timeout.
 
 use kvoffload_core::{
     Admission, Manager, ManagerConfig, PolicyKind, PolicyState, RequestState as ReqState,
@@ -76,6 +78,8 @@ struct Model {
     pending: HashSet<Vec<u8>>,
     /// Loads prepared and not completed, per key.
     pins: HashMap<Vec<u8>, i32>,
+    /// When each pending key's store started (the keys of `pending`).
+    started: HashMap<Vec<u8>, f64>,
 }
 
 /// Everything a failed call must leave as it was.
@@ -170,6 +174,7 @@ pub(crate) fn run(data: &[u8]) -> usize {
         m,
         reqs,
         model: Model::default(),
+        now: 0.0,
     };
     let mut calls = 0;
     while let Some(op) = input.byte() {
@@ -193,6 +198,8 @@ struct Driver {
     m: Manager,
     reqs: Vec<ReqState>,
     model: Model,
+    /// The clock given to the manager, in seconds.
+    now: f64,
 }
 
 impl Driver {
@@ -230,6 +237,7 @@ impl Driver {
                 self.m.complete_store(&slices(&keys), success);
                 for k in &keys {
                     self.model.pending.remove(k);
+                    self.model.started.remove(k);
                 }
                 false
             }
@@ -249,7 +257,7 @@ impl Driver {
             14 => {
                 let _ = self.m.take_events();
                 let _ = self.m.take_stats();
-                false
+                self.liveness(input)
             }
             _ => {
                 if input.below(8) == 0 {
@@ -295,6 +303,7 @@ impl Driver {
         let keys = input.keys();
         let positions = input.positions(keys.len());
         self.req(r);
+        self.m.set_clock(self.now);
         match self
             .m
             .prepare_store(&slices(&keys), positions.as_deref(), &mut self.reqs[r])
@@ -307,11 +316,48 @@ impl Driver {
                 }
                 for &i in &out.to_store {
                     self.model.pending.insert(keys[i].clone());
+                    self.model.started.insert(keys[i].clone(), self.now);
                 }
                 false
             }
             Ok(None) => false,
             Err(_) => true,
         }
+    }
+
+    /// Advance the clock; check the oldest pending write's age; sometimes expire overdue writes.
+    fn liveness(&mut self, input: &mut Input<'_>) -> bool {
+        self.now += f64::from(input.below(4));
+        let now = self.now;
+        let oldest = self
+            .model
+            .started
+            .values()
+            .map(|&t| now - t)
+            .reduce(f64::max);
+        assert_eq!(
+            self.m.oldest_pending_write(now),
+            oldest,
+            "oldest pending age"
+        );
+        assert_eq!(self.m.num_pending_writes(), self.model.pending.len());
+        if input.below(2) == 0 {
+            let timeout = f64::from(input.below(4));
+            for (_, k) in self.m.expire_pending_writes(now, timeout) {
+                let k = k.to_vec();
+                let start = self.model.started.remove(&k).expect("an unmodelled write");
+                assert!(
+                    now - start > timeout,
+                    "expired a write of age {}",
+                    now - start
+                );
+                self.model.pending.remove(&k);
+            }
+            assert!(
+                self.model.started.values().all(|&t| now - t <= timeout),
+                "a pending write outlived the timeout"
+            );
+        }
+        false
     }
 }

@@ -7,7 +7,8 @@
 //! - [`RefCountTable`]: -1 pending, 0 evictable, n pinned by n loads;
 //! - [`AdmissionTracker`]: bounded offer counts for the store threshold;
 //! - [`CachePolicy`]: [`LruPolicy`] and [`ArcPolicy`];
-//! - [`RequestState`]: what one request saw, owned by the request.
+//! - [`RequestState`]: what one request saw, owned by the request;
+//! - [`PendingWrites`]: the pending writes, oldest first, for their age and optional expiry.
 //!
 //! [`host`] holds the memory behind the chunk ids: a pre-faulted anonymous or `/dev/shm` region
 //! cut into chunks, bounds-checked block transfers in and out of it, and an asynchronous job
@@ -20,6 +21,7 @@ pub mod error;
 pub mod host;
 pub mod index;
 pub mod key;
+pub mod liveness;
 pub mod manager;
 pub mod policy;
 pub mod pool;
@@ -31,6 +33,7 @@ pub use admission::AdmissionTracker;
 pub use error::{CoreError, Result};
 pub use host::{ChunkLayout, HostPool, HostPoolOptions, Region, RegionOptions};
 pub use key::{group_of, hash_key, KeyBuf};
+pub use liveness::PendingWrites;
 pub use manager::{
     Admission, Event, Lookup, Manager, ManagerConfig, PolicyKind, RawStats, StoreOutcome,
 };

@@ -9,6 +9,7 @@ use crate::admission::AdmissionTracker;
 use crate::error::{ensure, show_key, CoreError, Result};
 use crate::index::{prefetch, KeyIndex};
 use crate::key::{group_of, hash_key, KeyBuf, KeySlot};
+use crate::liveness::PendingWrites;
 use crate::policy::{
     Access, ArcPolicy, CachePolicy, FifoPolicy, FinishedKey, LfuPolicy, LruPolicy, PolicyState,
     S3FifoPolicy, SievePolicy, SlruPolicy, TwoQPolicy,
@@ -210,6 +211,8 @@ pub struct Manager {
     /// The policy is external (plug-in code that may fail): calls check it and undo their
     /// changes when it does, and ref-count changes are mirrored to it.
     external: bool,
+    /// Start times of the pending writes, oldest first.
+    liveness: PendingWrites,
 }
 
 impl Manager {
@@ -262,6 +265,7 @@ impl Manager {
             protect: Vec::new(),
             protect_stamp: 0,
             external,
+            liveness: PendingWrites::new(),
         })
     }
 
@@ -699,6 +703,7 @@ impl Manager {
         self.index.clear();
         self.slots.clear();
         self.protect.clear();
+        self.liveness.clear();
     }
 
     /// Detach the queued events (empty when events are disabled).
@@ -831,6 +836,7 @@ impl Manager {
             "manager: pool lends {} chunks, {n} resident",
             self.pool.num_used()
         );
+        self.liveness.validate(&self.refs)?;
         let resident: Vec<bool> = self.slots.iter().map(|s| s.resident).collect();
         self.policy.validate(&resident, &self.refs)
     }
@@ -1030,6 +1036,7 @@ impl Manager {
                 return None;
             }
         }
+        self.liveness.started(&chunks, &self.refs);
         Some(chunks)
     }
 
@@ -1286,4 +1293,61 @@ fn head_to_tail(req: &RequestState, positions: &[Option<i64>]) -> Vec<usize> {
         order.sort_by_key(|&i| positions[i]);
     }
     order
+}
+
+// --- liveness of pending writes ---
+
+/// The age of pending writes, and their optional expiry (see [`PendingWrites`]). Times are
+/// seconds on a monotonic clock (the caller's readings, or the clock source); a reading earlier
+/// than the latest one counts as the latest one.
+impl Manager {
+    /// Move the clock to `now`: writes placed from here on start at it.
+    pub fn set_clock(&mut self, now: f64) {
+        self.liveness.set_now(now);
+    }
+
+    /// Read `source` whenever writes are placed (`None`: only [`set_clock`](Self::set_clock)
+    /// and the `now` arguments below move the clock).
+    pub fn set_clock_source(&mut self, source: Option<fn() -> f64>) {
+        self.liveness.set_source(source);
+    }
+
+    /// The age at `now` of the oldest pending write, `None` when no write is pending.
+    pub fn oldest_pending_write(&mut self, now: f64) -> Option<f64> {
+        self.liveness.set_now(now);
+        let clock = self.liveness.now();
+        self.liveness
+            .oldest(&self.refs)
+            .map(|(start, _)| clock - start)
+    }
+
+    /// Writes pending now (ref count -1).
+    #[must_use]
+    pub fn num_pending_writes(&self) -> usize {
+        self.refs.num_pending()
+    }
+
+    /// End every write older than `timeout` at `now` (`now - start > timeout`) exactly as
+    /// `complete_store(keys, false)` would: chunks freed, one metadata-only removal event.
+    /// Returns `(chunk, key)` of each, oldest first.
+    pub fn expire_pending_writes(&mut self, now: f64, timeout: f64) -> Vec<(ChunkId, KeyBuf)> {
+        self.liveness.set_now(now);
+        let chunks = self.liveness.take_overdue(timeout, &self.refs);
+        if chunks.is_empty() {
+            return Vec::new();
+        }
+        let keys: Vec<KeyBuf> = chunks
+            .iter()
+            .map(|&c| self.slots[c as usize].key.clone())
+            .collect();
+        let slices: Vec<&[u8]> = keys.iter().map(KeyBuf::as_slice).collect();
+        let freed = self.complete_store(&slices, false);
+        debug_assert_eq!(freed, chunks, "every overdue write was pending");
+        chunks.into_iter().zip(keys).collect()
+    }
+
+    /// Writes expired since the last call; the count restarts.
+    pub fn take_expired_writes(&mut self) -> u64 {
+        self.liveness.take_expired()
+    }
 }

@@ -3,6 +3,7 @@
 mod errors;
 mod host;
 mod keys;
+mod liveness;
 mod manager;
 mod policy;
 mod request;

@@ -5,6 +5,7 @@
 
 use crate::errors::{poisoned, raise, to_py};
 use crate::keys::{build, one_key, position_value, result_types, Context, Keys, ResultTypes};
+use crate::liveness::Liveness;
 use crate::policy::external::PythonPolicy;
 use crate::policy::state::{state_dict, state_keys};
 use crate::request::RequestState;
@@ -149,6 +150,8 @@ pub(crate) struct ManagerCore {
     reads_positions: bool,
     /// The classes results are built from when not `kvoffload.types`' (vLLM's, say).
     types: Option<ResultTypes>,
+    /// The clock of pending writes, and their expiry.
+    liveness: Liveness,
 }
 
 impl ManagerCore {
@@ -364,6 +367,25 @@ impl ManagerCore {
             .collect::<PyResult<Vec<_>>>()
             .map(Some)
     }
+
+    /// Expire the writes older than `timeout` at `now`; their stored key objects, oldest first.
+    fn expire<'py>(&self, py: Python<'py>, now: f64, timeout: f64) -> PyResult<Bound<'py, PyList>> {
+        // A Python policy hears of each expiry as of a failed store (`remove`).
+        let ((expired, objs), raised) = self.policy_call(py, None, &[], None, |m, _| {
+            let expired = m.expire_pending_writes(now, timeout);
+            let chunks: Vec<core::ChunkId> = expired.iter().map(|&(c, _)| c).collect();
+            let objs = m.take_keys(&chunks);
+            (expired, objs)
+        })?;
+        settle(py, Ok(()), raised)?;
+        PyList::new(
+            py,
+            expired
+                .iter()
+                .zip(objs)
+                .map(|((_, k), obj)| obj.map_or_else(|| PyBytes::new(py, k), |o| o.into_bound(py))),
+        )
+    }
 }
 
 fn lookup_index(l: Lookup) -> usize {
@@ -395,7 +417,7 @@ impl ManagerCore {
     #[new]
     #[pyo3(signature = (
         num_chunks, policy, enable_events, store_threshold, max_tracker_size, result_types=None,
-        admission="tracker", status_class=None
+        admission="tracker", status_class=None, pending_write_timeout=None, clock=None
     ))]
     #[allow(clippy::too_many_arguments)] // the manager's constructor arguments, one for one
     fn new(
@@ -408,7 +430,10 @@ impl ManagerCore {
         result_types: Option<&Bound<'_, PyAny>>,
         admission: &str,
         status_class: Option<&Bound<'_, PyAny>>,
+        pending_write_timeout: Option<f64>,
+        clock: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let liveness = Liveness::new(py, pending_write_timeout, clock)?;
         let admission = match admission {
             "tracker" => core::Admission::Tracker,
             "tinylfu" => core::Admission::TinyLfu,
@@ -478,7 +503,8 @@ impl ManagerCore {
                 true,
             )
         };
-        let inner = inner.map_err(|e| to_py(py, e))?;
+        let mut inner = inner.map_err(|e| to_py(py, e))?;
+        inner.set_clock_source(liveness.source());
         Ok(Self {
             inner: Mutex::new(Core {
                 manager: inner,
@@ -489,6 +515,7 @@ impl ManagerCore {
             python_policy,
             busy: AtomicUsize::new(0),
             types,
+            liveness,
         })
     }
 
@@ -573,6 +600,11 @@ impl ManagerCore {
         keys: &Bound<'py, PyAny>,
         ctx: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        // The clock is read, and overdue writes expire, before anything else.
+        let now = self.liveness.store_reading(py)?;
+        if let (Some(now), Some(timeout)) = (now, self.liveness.timeout) {
+            self.expire(py, now, timeout)?;
+        }
         let keys = Keys::extract(keys)?;
         let ctx = Context::new(ctx)?;
         let positions = self.positions(&ctx, &keys)?;
@@ -592,6 +624,9 @@ impl ManagerCore {
             &keys.objs,
             Some(state.get()),
             |m, s| {
+                if let Some(now) = now {
+                    m.set_clock(now);
+                }
                 let outcome = m.prepare_store(&slices, positions.as_deref(), s.expect("state"));
                 let mut objs = Vec::new();
                 let mut dropped = Vec::new();
@@ -834,5 +869,35 @@ impl ManagerCore {
                 "only the ARC policy has a target size".into(),
             ))
         }
+    }
+    /// Age in seconds of the oldest pending write, `None` when none is pending.
+    fn oldest_pending_write(&self, py: Python<'_>) -> PyResult<Option<f64>> {
+        let now = self.liveness.now(py)?;
+        Ok(self.lock(py)?.oldest_pending_write(now))
+    }
+
+    /// Writes pending now.
+    fn num_pending_writes(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.lock(py)?.num_pending_writes())
+    }
+
+    /// Expire the writes older than `timeout` (default: the manager's); their keys, oldest first.
+    #[pyo3(signature = (timeout=None))]
+    fn expire_pending_writes<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let timeout = self.liveness.timeout_for(py, timeout)?;
+        let now = self.liveness.now(py)?;
+        self.expire(py, now, timeout)
+    }
+
+    /// `(pending writes, oldest one's age or None, writes expired since the last call)`.
+    fn take_liveness_stats(&self, py: Python<'_>) -> PyResult<(usize, Option<f64>, u64)> {
+        let now = self.liveness.now(py)?;
+        let mut m = self.lock(py)?;
+        let oldest = m.oldest_pending_write(now);
+        Ok((m.num_pending_writes(), oldest, m.take_expired_writes()))
     }
 }

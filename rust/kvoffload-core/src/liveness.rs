@@ -1,0 +1,339 @@
+//! `PendingWrites`: the pending stores (ref count -1, between `prepare_store` and
+//! `complete_store`) in the order they started, with their start times, so that the oldest one
+//! is found and overdue ones are expired in O(1) amortised per write.
+//!
+//! A FIFO with lazy deletion. Completing or failing a store never touches the queue: an entry is
+//! live while its chunk is pending and the entry is the chunk's latest write (same ticket). Dead
+//! entries are dropped when they reach the front; when a batch of writes would bring the queue
+//! to `2 * pending + SLACK` entries, the dead ones at the front go, and if that is not enough the
+//! whole queue is compacted (removing at least half of what it reads: amortised O(1) per write). So it never holds more than twice the chunks in
+//! use, plus `SLACK`.
+//!
+//! Times are seconds on a monotonic clock: readings the caller gives (`set_now`), or, with a
+//! clock source set, [`monotonic_seconds`] read once per batch of writes (so a call that starts
+//! no write reads no clock). The clock only moves forward: a reading below the latest one counts
+//! as the latest one (as does a reading below 0 at the start), so start times never decrease
+//! along the queue and the front is the oldest live write.
+
+use crate::error::{ensure, Result};
+use crate::pool::ChunkId;
+use crate::refcount::{ChunkState, RefCountTable};
+use std::collections::VecDeque;
+use std::sync::OnceLock;
+use std::time::Instant;
+
+/// Dead entries tolerated beyond the live ones before a compaction.
+const SLACK: usize = 64;
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    start: f64,
+    chunk: ChunkId,
+    ticket: u64,
+}
+
+/// Seconds since the first call in this process, on `std::time::Instant` (monotonic).
+#[must_use]
+pub fn monotonic_seconds() -> f64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    EPOCH.get_or_init(Instant::now).elapsed().as_secs_f64()
+}
+
+/// Start times of the pending writes, oldest first. See the module docs.
+#[derive(Debug, Clone, Default)]
+pub struct PendingWrites {
+    /// Read when writes start; `None`: only `set_now` moves the clock.
+    source: Option<fn() -> f64>,
+    queue: VecDeque<Entry>,
+    /// The ticket of each chunk's latest write (0: none since the last clear).
+    tickets: Vec<u64>,
+    /// Tickets are never reused, not even across `clear`.
+    last_ticket: u64,
+    /// The latest clock reading, in seconds.
+    now: f64,
+    /// Writes expired since the last `take_expired`.
+    expired: u64,
+}
+
+impl PendingWrites {
+    /// No pending writes; the clock at 0.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Read `source` whenever writes start (`None`: only `set_now` moves the clock).
+    pub fn set_source(&mut self, source: Option<fn() -> f64>) {
+        self.source = source;
+    }
+
+    /// Move the clock to `now` if that is later (an earlier or NaN reading changes nothing).
+    pub fn set_now(&mut self, now: f64) {
+        if now > self.now {
+            self.now = now;
+        }
+    }
+
+    /// The latest clock reading.
+    #[must_use]
+    pub fn now(&self) -> f64 {
+        self.now
+    }
+
+    /// The writes to `chunks` started now (they are pending in `refs` already).
+    pub fn started(&mut self, chunks: &[ChunkId], refs: &RefCountTable) {
+        if let (Some(source), false) = (self.source, chunks.is_empty()) {
+            self.set_now(source());
+        }
+        let bound = 2 * refs.num_pending() + SLACK;
+        if self.queue.len() + chunks.len() >= bound {
+            // Writes mostly end in the order they started: the dead ones are at the front.
+            self.prune_front(refs);
+            if self.queue.len() + chunks.len() >= bound {
+                self.compact(refs);
+            }
+        }
+        self.queue.reserve(chunks.len());
+        for &c in chunks {
+            let i = c as usize;
+            if i >= self.tickets.len() {
+                self.tickets.resize(i + 1, 0);
+            }
+            self.last_ticket += 1;
+            self.tickets[i] = self.last_ticket;
+            self.queue.push_back(Entry {
+                start: self.now,
+                chunk: c,
+                ticket: self.last_ticket,
+            });
+        }
+    }
+
+    /// Whether `e` is the latest write of its chunk and that chunk is still pending.
+    fn is_live(&self, e: &Entry, refs: &RefCountTable) -> bool {
+        self.tickets.get(e.chunk as usize) == Some(&e.ticket)
+            && refs.state(e.chunk) == ChunkState::Pending
+    }
+
+    /// Drop every dead entry.
+    fn compact(&mut self, refs: &RefCountTable) {
+        let mut queue = std::mem::take(&mut self.queue);
+        queue.retain(|e| self.is_live(e, refs));
+        self.queue = queue;
+    }
+
+    /// Drop dead entries at the front; the front (if any) is then the oldest live write.
+    fn prune_front(&mut self, refs: &RefCountTable) {
+        while let Some(e) = self.queue.front() {
+            if self.is_live(e, refs) {
+                break;
+            }
+            self.queue.pop_front();
+        }
+    }
+
+    /// `(start time, chunk)` of the oldest pending write.
+    pub fn oldest(&mut self, refs: &RefCountTable) -> Option<(f64, ChunkId)> {
+        self.prune_front(refs);
+        self.queue.front().map(|e| (e.start, e.chunk))
+    }
+
+    /// Take the pending writes older than `timeout` seconds now (`now - start > timeout`),
+    /// oldest first, and count them as expired. The caller ends them (they are still pending).
+    pub fn take_overdue(&mut self, timeout: f64, refs: &RefCountTable) -> Vec<ChunkId> {
+        let mut overdue = Vec::new();
+        loop {
+            self.prune_front(refs);
+            match self.queue.front() {
+                Some(e) if self.now - e.start > timeout => {
+                    overdue.push(e.chunk);
+                    self.queue.pop_front();
+                }
+                _ => break,
+            }
+        }
+        self.expired += overdue.len() as u64;
+        overdue
+    }
+
+    /// Writes expired since the last call; the count restarts.
+    pub fn take_expired(&mut self) -> u64 {
+        std::mem::take(&mut self.expired)
+    }
+
+    /// Forget every write (the cache was reset); the clock and the expired count stay.
+    pub fn clear(&mut self) {
+        self.queue.clear();
+        self.tickets.clear();
+    }
+
+    /// Entries held, live and dead.
+    #[must_use]
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Every pending chunk of `refs` has exactly one live entry, start times never decrease,
+    /// none is later than the clock, and the queue is within its bound (twice the chunks ever
+    /// written since the last clear, plus `SLACK`).
+    pub fn validate(&self, refs: &RefCountTable) -> Result<()> {
+        let mut live = 0;
+        let mut last = f64::NEG_INFINITY;
+        for e in &self.queue {
+            ensure!(
+                e.start >= last && e.start <= self.now,
+                "liveness: start {} out of order (previous {last}, now {})",
+                e.start,
+                self.now
+            );
+            last = e.start;
+            live += usize::from(self.is_live(e, refs));
+        }
+        ensure!(
+            live == refs.num_pending(),
+            "liveness: {live} live entries for {} pending chunks",
+            refs.num_pending()
+        );
+        ensure!(
+            self.queue.len() <= 2 * self.tickets.len() + SLACK,
+            "liveness: {} entries for {} chunks",
+            self.queue.len(),
+            self.tickets.len()
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(n: u32) -> RefCountTable {
+        let mut refs = RefCountTable::new(n);
+        refs.grow(n as usize);
+        refs
+    }
+
+    fn start(w: &mut PendingWrites, refs: &mut RefCountTable, c: ChunkId) {
+        refs.insert_pending(c);
+        w.started(&[c], refs);
+    }
+
+    #[test]
+    fn oldest_is_the_first_still_pending() {
+        let mut refs = table(4);
+        let mut w = PendingWrites::new();
+        assert_eq!(w.oldest(&refs), None);
+        w.set_now(1.0);
+        start(&mut w, &mut refs, 0);
+        w.set_now(2.0);
+        start(&mut w, &mut refs, 1);
+        start(&mut w, &mut refs, 2);
+        assert_eq!(w.oldest(&refs), Some((1.0, 0)));
+        refs.complete_store(0);
+        assert_eq!(w.oldest(&refs), Some((2.0, 1)));
+        refs.remove(1);
+        assert_eq!(w.oldest(&refs), Some((2.0, 2)));
+        w.validate(&refs).unwrap();
+        refs.complete_store(2);
+        assert_eq!(w.oldest(&refs), None);
+        assert_eq!(w.queued(), 0);
+    }
+
+    #[test]
+    fn a_chunk_written_again_counts_from_its_new_start() {
+        let mut refs = table(2);
+        let mut w = PendingWrites::new();
+        start(&mut w, &mut refs, 0);
+        refs.remove(0); // the write failed; chunk 0 is reused later
+        w.set_now(5.0);
+        start(&mut w, &mut refs, 1);
+        start(&mut w, &mut refs, 0);
+        assert_eq!(w.oldest(&refs), Some((5.0, 1)));
+        w.set_now(9.0);
+        assert_eq!(w.take_overdue(3.0, &refs), vec![1, 0]);
+        w.validate(&refs).unwrap_err(); // still pending in `refs`: the caller ends them
+    }
+
+    #[test]
+    fn overdue_is_strictly_older_than_the_timeout() {
+        let mut refs = table(3);
+        let mut w = PendingWrites::new();
+        for (c, t) in [(0, 1.0), (1, 2.0), (2, 3.0)] {
+            w.set_now(t);
+            start(&mut w, &mut refs, c);
+        }
+        w.set_now(4.0);
+        let overdue = w.take_overdue(2.0, &refs);
+        assert_eq!(overdue, vec![0]); // age 3; chunk 1's age is exactly 2
+        for c in overdue {
+            refs.remove(c);
+        }
+        w.validate(&refs).unwrap();
+        assert_eq!(w.take_expired(), 1);
+        assert_eq!(w.take_expired(), 0);
+        assert_eq!(w.oldest(&refs), Some((2.0, 1)));
+    }
+
+    #[test]
+    #[allow(clippy::float_cmp)] // the readings are set, not computed: equal to the bit
+    fn the_clock_never_runs_backwards() {
+        let mut w = PendingWrites::new();
+        w.set_now(-1.0);
+        assert_eq!(w.now(), 0.0);
+        w.set_now(3.0);
+        w.set_now(2.0);
+        w.set_now(f64::NAN);
+        assert_eq!(w.now(), 3.0);
+    }
+
+    #[test]
+    fn dead_entries_stay_bounded_behind_a_stuck_write() {
+        let mut refs = table(2);
+        let mut w = PendingWrites::new();
+        start(&mut w, &mut refs, 0); // never completes
+        for i in 0..10_000 {
+            start(&mut w, &mut refs, 1);
+            if i % 2 == 0 {
+                refs.complete_store(1);
+                refs.remove(1);
+            } else {
+                refs.remove(1);
+            }
+            assert!(w.queued() <= 2 * 2 + SLACK);
+            w.validate(&refs).unwrap();
+        }
+        assert_eq!(w.oldest(&refs), Some((0.0, 0)));
+    }
+
+    #[test]
+    fn a_clock_source_is_read_when_writes_start() {
+        fn ten() -> f64 {
+            10.0
+        }
+        let mut refs = table(2);
+        let mut w = PendingWrites::new();
+        w.set_source(Some(ten));
+        w.started(&[], &refs);
+        assert!(w.now() < 10.0); // no write, no reading
+        start(&mut w, &mut refs, 0);
+        assert_eq!(w.oldest(&refs), Some((10.0, 0)));
+        let t = monotonic_seconds();
+        assert!(t >= 0.0 && monotonic_seconds() >= t);
+    }
+
+    #[test]
+    fn clear_forgets_every_write() {
+        let mut refs = table(2);
+        let mut w = PendingWrites::new();
+        start(&mut w, &mut refs, 0);
+        start(&mut w, &mut refs, 1);
+        refs.clear();
+        refs.grow(2);
+        w.clear();
+        assert_eq!(w.oldest(&refs), None);
+        w.validate(&refs).unwrap();
+        start(&mut w, &mut refs, 0);
+        assert_eq!(w.oldest(&refs), Some((0.0, 0)));
+    }
+}
