@@ -253,6 +253,17 @@ def test_write_expiry_keeps_vllms_stats_payload(oracle: Any, vllm_mod: Any) -> N
     assert ours.get_stats().data == theirs.get_stats().data
 
 
+def test_pending_write_timeout_from_extra_config(oracle: Any, vllm_mod: Any) -> None:
+    spec = make_spec(oracle, 8, {**OURS, "pending_write_timeout": 0.0})
+    mgr = spec.get_manager()
+    ctx = oracle.ReqContext("r")
+    mgr.on_new_request(ctx)
+    mgr.prepare_store([key(1)], ctx)
+    assert mgr.num_pending_writes() == 1
+    assert mgr.expire_pending_writes() == [key(1)]
+    assert make_spec(oracle, 8, OURS).get_manager()._pending_write_timeout is None
+
+
 def test_context_class_registration(oracle: Any, vllm_mod: Any) -> None:
     from kvoffload import InvalidArgumentError, _native
 

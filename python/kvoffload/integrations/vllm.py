@@ -70,6 +70,9 @@ _SPEC_MODULE = "vllm.v1.kv_offload.cpu.spec"
 _BASE_MODULE = "vllm.v1.kv_offload.base"
 
 
+#: The extra-config key for ``CPUOffloadingManager(pending_write_timeout=...)``.
+PENDING_WRITE_TIMEOUT_KEY = "pending_write_timeout"
+
 _built: dict[str, Any] = {}
 
 
@@ -147,7 +150,9 @@ def _build_spec() -> type:
         Sizing (``cpu_bytes_to_use``), metrics and config info are vLLM's. The manager takes
         the same extra-config keys as vLLM's: ``eviction_policy``, ``cache_policy_module_path``,
         ``store_threshold``, ``max_tracker_size``. A policy other than ``lru``/``arc`` runs in
-        vLLM's own manager, as with ``CPUOffloadingSpec``. The worker is vLLM's, or with
+        vLLM's own manager, as with ``CPUOffloadingSpec``. kvoffload's own key
+        ``pending_write_timeout`` (seconds) turns on the expiry of writes whose completion never
+        arrives (kvoffload's manager only). The worker is vLLM's, or with
         ``"host_pool": "kvoffload"`` kvoffload's ``KVOffloadHostPoolWorker``.
         """
 
@@ -185,6 +190,9 @@ def _build_spec() -> type:
                     "info": self.cpu_info,
                 }
                 if self.eviction_policy in KVOFFLOAD_POLICIES:
+                    timeout = extra.get(PENDING_WRITE_TIMEOUT_KEY)
+                    if timeout is not None:
+                        kwargs["pending_write_timeout"] = timeout
                     self._manager = manager_cls(**kwargs)
                 else:
                     self._manager = vllm_manager(**kwargs)
