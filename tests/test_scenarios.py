@@ -35,7 +35,6 @@ from kvoffload import (
     Medium,
     OffloadingEvent,
     ReqContext,
-    UnsupportedPolicyError,
 )
 
 
@@ -616,14 +615,9 @@ def test_s9_touch_passes_the_context_to_the_policy(
 ) -> None:
     (tmp_path / "kvoffload_recording_policy.py").write_text(RECORDING_POLICY)
     monkeypatch.syspath_prepend(str(tmp_path))
-    try:
-        m = make_manager(
-            4,
-            cache_policy="RecordingPolicy",
-            cache_policy_module_path="kvoffload_recording_policy",
-        )
-    except UnsupportedPolicyError:
-        pytest.skip("this implementation runs the built-in policies only")
+    m = make_manager(
+        4, cache_policy="RecordingPolicy", cache_policy_module_path="kvoffload_recording_policy"
+    )
     import kvoffload_recording_policy  # type: ignore[import-not-found]
 
     calls = kvoffload_recording_policy.RecordingPolicy.calls
