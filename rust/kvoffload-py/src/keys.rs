@@ -238,9 +238,12 @@ impl<'py> Context<'py> {
         let py = obj.py();
         let mut dicts = None;
         if has_fast_dicts(obj)? {
-            let state = obj.getattr("_state")?.cast_into::<PyDict>().ok();
+            let state = obj
+                .getattr(pyo3::intern!(py, "_state"))?
+                .cast_into::<PyDict>()
+                .ok();
             let pos = obj
-                .getattr("_offload_key_positions")?
+                .getattr(pyo3::intern!(py, "_offload_key_positions"))?
                 .cast_into::<PyDict>()
                 .ok();
             if let (Some(s), Some(p)) = (state, pos) {
@@ -281,7 +284,10 @@ impl<'py> Context<'py> {
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let v = match &self.dicts {
             Some((state, _)) => state.get_item(cls)?,
-            None => Some(self.obj.call_method1("get_state", (cls,))?),
+            None => Some(
+                self.obj
+                    .call_method1(pyo3::intern!(self.obj.py(), "get_state"), (cls,))?,
+            ),
         };
         Ok(v.filter(|v| !v.is_none()))
     }
@@ -290,7 +296,10 @@ impl<'py> Context<'py> {
     pub(crate) fn set_state(&self, value: &Bound<'py, PyAny>) -> PyResult<()> {
         match &self.dicts {
             Some((state, _)) => state.set_item(value.get_type(), value),
-            None => self.obj.call_method1("set_state", (value,)).map(drop),
+            None => self
+                .obj
+                .call_method1(pyo3::intern!(self.obj.py(), "set_state"), (value,))
+                .map(drop),
         }
     }
 
@@ -308,7 +317,10 @@ impl<'py> Context<'py> {
     pub(crate) fn position(&self, key: &Bound<'py, PyAny>) -> PyResult<Option<i64>> {
         let v = match &self.dicts {
             Some((_, pos)) => pos.get_item(key)?,
-            None => Some(self.obj.call_method1("get_offload_key_position", (key,))?),
+            None => Some(self.obj.call_method1(
+                pyo3::intern!(self.obj.py(), "get_offload_key_position"),
+                (key,),
+            )?),
         };
         v.map_or(Ok(None), |v| position_value(&v))
     }
