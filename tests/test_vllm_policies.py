@@ -2,13 +2,16 @@
 
 Against vLLM's real ``kv_offload`` modules (see ``test_vllm_spec.py``): vLLM's manager running
 ``RustLRU``/``RustARC`` gives the same results as with its own LRU/ARC over seeded random
-sequences, and random ``CachePolicy`` call sequences leave the Rust and the Python policy in the
-same order with the same evictions. The native policy core's own contract needs no vLLM.
+sequences; with kvoffload's other policies (``RustSIEVE``, ...) it gives the same results as
+kvoffload's manager running them; and random ``CachePolicy`` call sequences leave the Rust and
+the Python policy in the same order with the same evictions. The native policy core's own
+contract needs no vLLM.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 import sys
 from typing import Any
@@ -17,6 +20,7 @@ import pytest
 
 import _driver
 from _vllm import (
+    OURS,
     POLICIES,
     RUST_POLICY,
     SPEC_MODULE_PATH,
@@ -27,6 +31,7 @@ from _vllm import (
     via_spec,
     vllm_spec_impl,
 )
+from kvoffload.integrations.vllm import RUST_POLICIES as RUST_POLICIES_BY_NAME
 
 # --- the Rust policies inside vLLM's manager ---
 
@@ -53,10 +58,50 @@ def test_rust_policy_in_vllms_manager_matches_vllms_policy(
     run_seeded([vllm_spec_impl(oracle), _rust_policy_impl(oracle)], policy, threshold, count=15)
 
 
+#: kvoffload's own policies, as vLLM ``CachePolicy`` classes (vLLM has no Python twin of them).
+OWN_RUST_POLICIES = {
+    kind: name for name, kind in RUST_POLICIES_BY_NAME.items() if kind not in ("lru", "arc")
+}
+
+
+@pytest.mark.parametrize("policy", sorted(OWN_RUST_POLICIES))
+def test_own_rust_policy_in_vllms_manager_matches_kvoffloads_manager(
+    oracle: Any, vllm_mod: Any, policy: str
+) -> None:
+    def extra(policy: str) -> dict[str, Any]:
+        return {
+            "eviction_policy": OWN_RUST_POLICIES[policy],
+            "cache_policy_module_path": SPEC_MODULE_PATH,
+        }
+
+    def ours(policy: str) -> dict[str, Any]:
+        return {**OURS, "eviction_policy": policy}
+
+    in_vllm = _driver.ImplSpec(
+        "vllm+rust-policy",
+        via_spec(oracle, extra, lambda m: Checked(m, oracle.manager_module)),  # type: ignore[arg-type]
+        oracle.ReqContext,
+        None,
+    )
+    kvoffload = _driver.ImplSpec(
+        "kvoffload",
+        via_spec(oracle, ours, lambda m: Checked(m, oracle.manager_module)),  # type: ignore[arg-type]
+        oracle.ReqContext,
+        None,
+    )
+    for threshold in (1, 2):
+        run_seeded(
+            [kvoffload, in_vllm],
+            policy,
+            threshold,
+            count=int(os.environ.get("KVOFFLOAD_VLLM_SEEDS", "5")),
+        )
+
+
 def test_rust_policies_load_through_cache_policy_module_path(oracle: Any, vllm_mod: Any) -> None:
     factory = oracle.manager_module.CachePolicyFactory
     base = sys.modules["vllm.v1.kv_offload.cpu.policies.base"].CachePolicy
-    for name in ("RustLRU", "RustARC"):
+    for name in RUST_POLICIES_BY_NAME:
         cls = factory.get_cache_policy_cls(name, SPEC_MODULE_PATH)
         assert cls is getattr(vllm_mod, name)
         assert issubclass(cls, base)
@@ -252,7 +297,7 @@ def test_policy_core_rejects_calls_vllms_manager_never_makes() -> None:
     )
 
     with pytest.raises(UnsupportedPolicyError):
-        _native.PolicyCore("fifo", 4)
+        _native.PolicyCore("mru", 4)
     core = _native.PolicyCore("lru", 4)
     ctx = ReqContext("r")
     core.insert(key(1), _Chunk(0), ctx)

@@ -13,7 +13,9 @@ Two ways in, both through vLLM's own extension points:
   KV caches and a ``kvoffload.HostPool`` (no GPU copies; see ``vllm_worker``).
 - ``RustLRU`` and ``RustARC``: vLLM ``CachePolicy`` subclasses backed by kvoffload-core's LRU
   and ARC, for vLLM's own Python manager: ``"eviction_policy": "RustLRU",
-  "cache_policy_module_path": "kvoffload.integrations.vllm"``.
+  "cache_policy_module_path": "kvoffload.integrations.vllm"``. Likewise kvoffload's other
+  built-in policies: ``RustFIFO``, ``RustSIEVE``, ``RustS3FIFO``, ``Rust2Q``, ``RustSLRU``,
+  ``RustLFU`` and ``RustARCPaper`` (``RUST_POLICIES`` maps each class name to its policy).
 
 This module imports without vLLM. The classes above are built from vLLM's base classes the first
 time they are looked up (module ``__getattr__``), which is when vLLM's factories import them.
@@ -22,6 +24,7 @@ time they are looked up (module ``__getattr__``), which is when vLLM's factories
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
 import types
@@ -30,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvoffload import _native
+from kvoffload._common import BUILTIN_POLICIES
 from kvoffload.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.integrations.vllm_worker import HostPoolWorker
 from kvoffload.manager import CPUOffloadingManager
@@ -39,6 +43,7 @@ __all__ = [
     "HOST_POOLS",
     "HOST_POOL_KEY",
     "KVOFFLOAD_POLICIES",
+    "RUST_POLICIES",
     "SPEC_MODULE_PATH",
     "SPEC_NAME",
     "VLLM_VERSION",
@@ -46,8 +51,15 @@ __all__ = [
     "KVOffloadCPUOffloadingManager",  # noqa: F822
     "KVOffloadCPUOffloadingSpec",  # noqa: F822
     "KVOffloadHostPoolWorker",  # noqa: F822
+    "Rust2Q",  # noqa: F822
     "RustARC",  # noqa: F822
+    "RustARCPaper",  # noqa: F822
+    "RustFIFO",  # noqa: F822
+    "RustLFU",  # noqa: F822
     "RustLRU",  # noqa: F822
+    "RustS3FIFO",  # noqa: F822
+    "RustSIEVE",  # noqa: F822
+    "RustSLRU",  # noqa: F822
     "vllm_types",
 ]
 
@@ -56,9 +68,10 @@ VLLM_VERSION = "0.33.0"
 #: ``spec_name`` and ``spec_module_path`` of ``kv_connector_extra_config``.
 SPEC_NAME = "KVOffloadCPUOffloadingSpec"
 SPEC_MODULE_PATH = "kvoffload.integrations.vllm"
-#: ``eviction_policy`` values the Rust manager runs itself; any other policy is run by vLLM's
-#: own manager (as ``CPUOffloadingSpec`` would), for example ``RustLRU`` from this module.
-KVOFFLOAD_POLICIES = ("lru", "arc")
+#: ``eviction_policy`` values the Rust manager runs itself (vLLM's lru and arc, and kvoffload's
+#: own policies); any other policy is run by vLLM's own manager (as ``CPUOffloadingSpec`` would),
+#: for example ``RustLRU`` from this module.
+KVOFFLOAD_POLICIES = BUILTIN_POLICIES
 #: The extra-config key choosing the worker's CPU buffer, and its values: ``"vllm"`` (the
 #: default: vLLM's ``CPUOffloadingWorker``) or ``"kvoffload"`` (``KVOffloadHostPoolWorker``).
 HOST_POOL_KEY = "host_pool"
@@ -149,8 +162,9 @@ def _build_spec() -> type:
 
         Sizing (``cpu_bytes_to_use``), metrics and config info are vLLM's. The manager takes
         the same extra-config keys as vLLM's: ``eviction_policy``, ``cache_policy_module_path``,
-        ``store_threshold``, ``max_tracker_size``. A policy other than ``lru``/``arc`` runs in
-        vLLM's own manager, as with ``CPUOffloadingSpec``. kvoffload's own key
+        ``store_threshold``, ``max_tracker_size``. A policy that is not one of kvoffload's built-in
+        names (``lru``, ``arc``, ``sieve``, ...) runs in vLLM's own manager, as with
+        ``CPUOffloadingSpec``. kvoffload's own key
         ``pending_write_timeout`` (seconds) turns on the expiry of writes whose completion never
         arrives (kvoffload's manager only). The worker is vLLM's, or with
         ``"host_pool": "kvoffload"`` kvoffload's ``KVOffloadHostPoolWorker``.
@@ -276,26 +290,30 @@ def _build_policy(kind: str, name: str) -> type:
     RustPolicy.__name__ = RustPolicy.__qualname__ = name
     RustPolicy.__module__ = __name__
     RustPolicy.__doc__ = (
-        f"vLLM ``CachePolicy`` backed by kvoffload-core's {kind.upper()} (same evictions, same "
-        f"order as vLLM's {kind.upper()})."
+        f"vLLM ``CachePolicy`` backed by kvoffload-core's {kind!r} policy (in vLLM's manager, the "
+        "same results as kvoffload's manager with that policy; for lru and arc, as vLLM's own)."
     )
     return RustPolicy
 
 
-def _build_rust_lru() -> type:
-    return _build_policy("lru", "RustLRU")
-
-
-def _build_rust_arc() -> type:
-    return _build_policy("arc", "RustARC")
-
+#: The ``CachePolicy`` classes for vLLM's manager, by class name: kvoffload-core's policies.
+RUST_POLICIES: dict[str, str] = {
+    "RustLRU": "lru",
+    "RustARC": "arc",
+    "RustFIFO": "fifo",
+    "RustSIEVE": "sieve",
+    "RustS3FIFO": "s3fifo",
+    "Rust2Q": "2q",
+    "RustSLRU": "slru",
+    "RustLFU": "lfu",
+    "RustARCPaper": "arc-paper",
+}
 
 _BUILDERS: dict[str, Callable[[], type]] = {
     "KVOffloadCPUOffloadingManager": _build_manager,
     "KVOffloadCPUOffloadingSpec": _build_spec,
     "KVOffloadHostPoolWorker": _build_worker,
-    "RustLRU": _build_rust_lru,
-    "RustARC": _build_rust_arc,
+    **{name: functools.partial(_build_policy, kind, name) for name, kind in RUST_POLICIES.items()},
 }
 
 

@@ -104,15 +104,13 @@ impl PolicyCore {
                 format!("cache_capacity must be in [0, 2**32 - 1], got {capacity}"),
             )
         })?;
-        // vLLM's manager drives LRU and ARC; the hooks below follow those two (for instance
-        // `on_request_access` only matters to LRU), so other kinds are not offered here.
-        let Some(kind) = PolicyKind::from_name(policy)
-            .filter(|k| matches!(k, PolicyKind::Lru | PolicyKind::Arc))
-        else {
+        // Every built-in kind: vLLM's manager calls the hooks where kvoffload's manager does,
+        // so a policy behaves in it as in kvoffload's manager (and LRU and ARC as vLLM's own).
+        let Some(kind) = PolicyKind::from_name(policy) else {
             return Err(raise(
                 py,
                 "UnsupportedPolicyError",
-                format!("no built-in policy {policy:?} for vLLM's manager (lru, arc)"),
+                format!("no built-in policy {policy:?}"),
             ));
         };
         let (name, reads_positions, policy) =
@@ -269,7 +267,8 @@ impl PolicyCore {
         Ok(())
     }
 
-    /// Keys a request sees for the first time (LRU ranks them by token position).
+    /// Keys a request sees for the first time (LRU ranks them by token position; for
+    /// kvoffload's own policies a first access to a resident key is a hit).
     fn on_request_access(
         &self,
         py: Python<'_>,
@@ -277,6 +276,12 @@ impl PolicyCore {
         req_context: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         if !self.reads_positions {
+            // No rank and no positions: ARC ignores the call, the others count hits.
+            let keys = Keys::extract(keys)?;
+            let slices = keys.slices();
+            let mut m = self.lock(py)?;
+            let access: Vec<Access<'_>> = slices.iter().map(|k| m.access(k, None)).collect();
+            m.policy.on_request_access(&access, &mut None);
             return Ok(());
         }
         let keys = Keys::extract(keys)?;
@@ -381,6 +386,14 @@ impl PolicyCore {
                 .filter_map(|k| m.find(k, hash_key(k)))
                 .collect();
             shielded.sort_unstable();
+            shielded.dedup();
+            // Fewer evictable, unprotected chunks than asked: no policy could evict `n`, so the
+            // policy is not asked (kvoffload's policies assume a feasible request, as kvoffload's
+            // manager guarantees; vLLM's manager only checks the evictable count).
+            let shielded_ready = shielded.iter().filter(|&&c| m.refs.raw(c) == 0).count();
+            if n > m.refs.num_evictable().saturating_sub(shielded_ready) {
+                return Ok(None);
+            }
             let is_protected = |c: ChunkId| shielded.binary_search(&c).is_ok();
             let mut victims = Vec::with_capacity(n);
             let inner = &mut *m;
