@@ -52,22 +52,6 @@ impl LfuPolicy {
         self.queues.queue_of(c).unwrap_or(0)
     }
 
-    fn hit(&mut self, keys: &[Access<'_>]) {
-        for a in keys {
-            let Some(c) = a.chunk.filter(|&c| self.queues.queue_of(c).is_some()) else {
-                continue;
-            };
-            let n = self.count(c);
-            if n < MAX_COUNT {
-                self.queues.move_to(c, n + 1, true);
-                self.total += 1;
-                if self.total > MAX_AVERAGE * self.resident {
-                    self.age();
-                }
-            }
-        }
-    }
-
     /// Halve every count, keeping each queue's order (see the module docs).
     fn age(&mut self) {
         for n in 1..=MAX_COUNT {
@@ -105,12 +89,20 @@ impl CachePolicy for LfuPolicy {
         self.queues.remove(chunk);
     }
 
-    fn touch(&mut self, keys: &[Access<'_>], _refs: &RefCountTable) {
-        self.hit(keys);
-    }
-
-    fn on_request_access(&mut self, keys: &[Access<'_>], _rank: &mut RequestRank) {
-        self.hit(keys);
+    fn hit(&mut self, keys: &[Access<'_>]) {
+        for a in keys {
+            let Some(c) = a.chunk.filter(|&c| self.queues.queue_of(c).is_some()) else {
+                continue;
+            };
+            let n = self.count(c);
+            if n < MAX_COUNT {
+                self.queues.move_to(c, n + 1, true);
+                self.total += 1;
+                if self.total > MAX_AVERAGE * self.resident {
+                    self.age();
+                }
+            }
+        }
     }
 
     fn evict(

@@ -118,13 +118,20 @@ pub trait CachePolicy: Send {
     fn insert(&mut self, chunk: ChunkId, key: Access<'_>, rank: &mut RequestRank);
     /// Forget a pending chunk whose store failed (no ghost entry).
     fn remove(&mut self, chunk: ChunkId);
-    /// Mark keys as recently used; `refs` tells pending from readable chunks (default: nothing).
-    fn touch(&mut self, _keys: &[Access<'_>], _refs: &RefCountTable) {}
+    /// Mark keys as recently used; `refs` tells pending from readable chunks (default: a hit).
+    fn touch(&mut self, keys: &[Access<'_>], _refs: &RefCountTable) {
+        self.hit(keys);
+    }
     /// Keys about to be stored that the request had not reported as misses before (default:
     /// nothing).
     fn on_store_miss(&mut self, _keys: &[Access<'_>]) {}
-    /// Keys a request sees for the first time, in call order (default: nothing).
-    fn on_request_access(&mut self, _keys: &[Access<'_>], _rank: &mut RequestRank) {}
+    /// Keys a request sees for the first time, in call order (default: a hit).
+    fn on_request_access(&mut self, keys: &[Access<'_>], _rank: &mut RequestRank) {
+        self.hit(keys);
+    }
+    /// A hit on the resident keys among `keys`: what kvoffload's own policies do on a touch or
+    /// a request's first access, through the defaults of those two (default: nothing).
+    fn hit(&mut self, _keys: &[Access<'_>]) {}
     /// A request finished; `keys` is its head-to-tail order (default: nothing).
     fn on_request_finished(&mut self, _keys: &[FinishedKey<'_>]) {}
     /// Choose exactly `n` evictable, unprotected chunks and drop them, or change nothing and

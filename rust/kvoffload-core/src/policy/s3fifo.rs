@@ -119,15 +119,6 @@ impl S3FifoPolicy {
         out.len() > before
     }
 
-    fn hit(&mut self, keys: &[Access<'_>]) {
-        for a in keys {
-            if let Some(c) = a.chunk.filter(|&c| self.queues.queue_of(c).is_some()) {
-                let f = &mut self.freq[c as usize];
-                *f = (*f + 1).min(MAX_FREQ);
-            }
-        }
-    }
-
     fn with_freq(&self, cs: Vec<ChunkId>) -> Vec<(ChunkId, u8)> {
         cs.into_iter().map(|c| (c, self.freq[c as usize])).collect()
     }
@@ -161,12 +152,13 @@ impl CachePolicy for S3FifoPolicy {
         self.queues.remove(chunk);
     }
 
-    fn touch(&mut self, keys: &[Access<'_>], _refs: &RefCountTable) {
-        self.hit(keys);
-    }
-
-    fn on_request_access(&mut self, keys: &[Access<'_>], _rank: &mut RequestRank) {
-        self.hit(keys);
+    fn hit(&mut self, keys: &[Access<'_>]) {
+        for a in keys {
+            if let Some(c) = a.chunk.filter(|&c| self.queues.queue_of(c).is_some()) {
+                let f = &mut self.freq[c as usize];
+                *f = (*f + 1).min(MAX_FREQ);
+            }
+        }
     }
 
     fn evict(

@@ -107,16 +107,6 @@ impl SievePolicy {
         self.place[i] = Where::Out;
     }
 
-    fn hit(&mut self, keys: &[Access<'_>]) {
-        for a in keys {
-            if let Some(c) = a.chunk {
-                if self.place[c as usize] != Where::Out {
-                    self.visited[c as usize] = true;
-                }
-            }
-        }
-    }
-
     fn queue(&self) -> Vec<ChunkId> {
         let mut v = Vec::new();
         let mut c = self.oldest;
@@ -156,12 +146,14 @@ impl CachePolicy for SievePolicy {
         self.ready[i] = false;
     }
 
-    fn touch(&mut self, keys: &[Access<'_>], _refs: &RefCountTable) {
-        self.hit(keys);
-    }
-
-    fn on_request_access(&mut self, keys: &[Access<'_>], _rank: &mut RequestRank) {
-        self.hit(keys);
+    fn hit(&mut self, keys: &[Access<'_>]) {
+        for a in keys {
+            if let Some(c) = a.chunk {
+                if self.place[c as usize] != Where::Out {
+                    self.visited[c as usize] = true;
+                }
+            }
+        }
     }
 
     fn evict(

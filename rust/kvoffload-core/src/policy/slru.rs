@@ -58,11 +58,7 @@ impl CachePolicy for SlruPolicy {
         self.queues.remove(chunk);
     }
 
-    fn touch(&mut self, keys: &[Access<'_>], _refs: &RefCountTable) {
-        self.on_request_access(keys, &mut None);
-    }
-
-    fn on_request_access(&mut self, keys: &[Access<'_>], _rank: &mut RequestRank) {
+    fn hit(&mut self, keys: &[Access<'_>]) {
         for a in keys {
             let Some(c) = a.chunk.filter(|&c| self.queues.queue_of(c).is_some()) else {
                 continue;
