@@ -919,7 +919,7 @@ impl Manager {
         }
         // Fewer ready, unprotected chunks than needed: no policy could evict enough. (Offered
         // keys are distinct, so each protected chunk is counted once.)
-        if shortfall > self.refs.num_evictable() - protected_ready {
+        if !self.refs.can_evict(shortfall, protected_ready) {
             return Ok(None);
         }
         let protect = &self.protect;

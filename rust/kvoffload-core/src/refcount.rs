@@ -86,6 +86,13 @@ impl RefCountTable {
         self.num_evictable
     }
 
+    /// Whether `n` evictions can succeed when `protected_ready` of the evictable chunks are
+    /// protected: policies are asked only for evictions that can (they assume it).
+    #[must_use]
+    pub fn can_evict(&self, n: usize, protected_ready: usize) -> bool {
+        n <= self.num_evictable.saturating_sub(protected_ready)
+    }
+
     /// absent -> pending (a store was prepared).
     pub fn insert_pending(&mut self, id: ChunkId) {
         debug_assert_eq!(self.counts[id as usize], ABSENT);

@@ -387,11 +387,10 @@ impl PolicyCore {
                 .collect();
             shielded.sort_unstable();
             shielded.dedup();
-            // Fewer evictable, unprotected chunks than asked: no policy could evict `n`, so the
-            // policy is not asked (kvoffload's policies assume a feasible request, as kvoffload's
-            // manager guarantees; vLLM's manager only checks the evictable count).
+            // The same feasibility rule as kvoffload's manager (vLLM's checks only the evictable
+            // count, and kvoffload's policies assume a feasible request).
             let shielded_ready = shielded.iter().filter(|&&c| m.refs.raw(c) == 0).count();
-            if n > m.refs.num_evictable().saturating_sub(shielded_ready) {
+            if !m.refs.can_evict(n, shielded_ready) {
                 return Ok(None);
             }
             let is_protected = |c: ChunkId| shielded.binary_search(&c).is_ok();
