@@ -501,6 +501,8 @@ class Liar(Flaky):
         (lambda p, n, prot: [(k, c) for k, c in p.chunks.items() if c.ref_cnt != 0][:n], "ref"),
         (lambda p, n, prot: [(b"nope", ChunkStatus(0))] * n, "does not hold"),
         (lambda p, n, prot: [5] * n, r"\(key, status\) pairs"),
+        (lambda p, n, prot: 5, r"\(key, status\) pairs or None"),
+        (lambda p, n, prot: [(k, None) for k in list(p.chunks)[:n]], "no int chunk_id"),
         (
             lambda p, n, prot: (
                 [(k, c) for k, c in p.chunks.items() if c.ref_cnt == 0 and k not in prot][:1] * n

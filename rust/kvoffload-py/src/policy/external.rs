@@ -155,7 +155,13 @@ impl PythonPolicy {
         out: &mut Vec<ChunkId>,
     ) -> PyResult<()> {
         let bad = |msg: String| crate::errors::raise(py, "PolicyError", msg);
-        for item in answer.try_iter()? {
+        let iter = answer.try_iter().map_err(|_| {
+            bad(format!(
+                "evict must return a list of (key, status) pairs or None, got {}",
+                crate::keys::type_name(answer)
+            ))
+        })?;
+        for item in iter {
             let item = item?;
             let pair = item
                 .cast::<PyTuple>()
@@ -176,8 +182,9 @@ impl PythonPolicy {
             })?;
             let chunk: i64 = pair
                 .get_item(1)?
-                .getattr(intern!(py, "chunk_id"))?
-                .extract()?;
+                .getattr(intern!(py, "chunk_id"))
+                .and_then(|c| c.extract())
+                .map_err(|_| bad(format!("evict returned {key:?} with no int chunk_id")))?;
             let slot = usize::try_from(chunk).ok().and_then(|c| slots.get(c));
             match slot {
                 Some(s) if s.resident && s.key.as_slice() == key.as_bytes() => {
