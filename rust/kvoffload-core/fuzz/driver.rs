@@ -118,7 +118,8 @@ fn check(m: &Manager, model: &Model, capacity: u32) {
     assert_eq!(free_set.len(), free.len(), "a chunk is free twice");
     let mut owned = HashSet::new();
     let (mut pending, mut ready, mut pinned) = (0usize, 0usize, 0usize);
-    for &(key, c, r) in &resident {
+    for (key, c, r) in &resident {
+        let (key, c, r) = (key.as_slice(), *c, *r);
         assert!(owned.insert(c), "chunk {c} owned twice");
         assert!(!free_set.contains(&c), "resident chunk {c} is free");
         match r {
@@ -133,7 +134,7 @@ fn check(m: &Manager, model: &Model, capacity: u32) {
         };
         assert_eq!(r, want, "ref count of {key:?}");
     }
-    let resident_keys: HashSet<&[u8]> = resident.iter().map(|&(k, _, _)| k).collect();
+    let resident_keys: HashSet<&[u8]> = resident.iter().map(|(k, _, _)| k.as_slice()).collect();
     for key in model.pending.iter().chain(model.pins.keys()) {
         assert!(
             resident_keys.contains(key.as_slice()),

@@ -6,19 +6,6 @@ use std::hash::BuildHasher;
 /// Owned key bytes. A 32-byte hash plus the 4-byte group index fits inline (no allocation).
 pub type KeyBuf = SmallVec<[u8; 40]>;
 
-/// The key held by one chunk slot, its hash and whether the slot holds a key: one cache line,
-/// so resolving or evicting a chunk touches one line of per-chunk key data.
-#[derive(Debug, Clone, Default)]
-#[repr(align(64))]
-pub struct KeySlot {
-    /// The key bytes (empty when the slot holds no key; the empty key is legal, see `resident`).
-    pub key: KeyBuf,
-    /// `hash_key(&key)` while resident.
-    pub hash: u64,
-    /// Whether the slot holds a key.
-    pub resident: bool,
-}
-
 /// The hasher every key table of the crate uses. Keys are block hashes already, so a fast
 /// non-cryptographic hash with a fixed seed is enough and keeps runs reproducible.
 #[derive(Clone, Copy, Default, Debug)]
@@ -46,23 +33,74 @@ pub fn group_of(key: &[u8]) -> u32 {
     tail.iter().fold(0u32, |acc, &b| (acc << 8) | u32::from(b))
 }
 
-/// Key slots for policy unit tests.
+/// Keys in slots, for policy unit tests.
 #[cfg(test)]
 pub(crate) mod test_util {
-    use super::{hash_key, KeyBuf, KeySlot};
+    use super::{hash_key, KeyBuf};
+    use crate::table::Slots;
 
-    /// A resident slot holding `k`.
-    pub(crate) fn slot(k: &[u8]) -> KeySlot {
-        KeySlot {
-            key: KeyBuf::from_slice(k),
-            hash: hash_key(k),
-            resident: true,
+    /// One test key and its hash.
+    pub(crate) struct TestSlot {
+        pub(crate) key: KeyBuf,
+        pub(crate) hash: u64,
+    }
+
+    /// A table whose slot `i` holds the `i`-th key, ready and unpinned; `ks[i]` gives the key.
+    pub(crate) struct TestKeys {
+        slots: Slots,
+        list: Vec<TestSlot>,
+    }
+
+    impl std::ops::Deref for TestKeys {
+        type Target = Slots;
+        fn deref(&self) -> &Slots {
+            &self.slots
         }
     }
 
+    impl std::ops::DerefMut for TestKeys {
+        fn deref_mut(&mut self) -> &mut Slots {
+            &mut self.slots
+        }
+    }
+
+    impl std::ops::Index<usize> for TestKeys {
+        type Output = TestSlot;
+        fn index(&self, i: usize) -> &TestSlot {
+            &self.list[i]
+        }
+    }
+
+    /// Slots holding `keys`, in order.
+    pub(crate) fn keys_of(keys: &[&[u8]]) -> TestKeys {
+        let mut slots = Slots::new(keys.len() as u32).unwrap();
+        let list = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| {
+                let hash = hash_key(k);
+                slots.insert(i as u32, k, hash);
+                slots.complete_store(i as u32);
+                TestSlot {
+                    key: KeyBuf::from_slice(k),
+                    hash,
+                }
+            })
+            .collect();
+        TestKeys { slots, list }
+    }
+
+    /// Give absent slot `c` a key of its own, pending.
+    pub(crate) fn pend(slots: &mut Slots, c: u32) {
+        let k = format!("chunk{c}");
+        slots.insert(c, k.as_bytes(), hash_key(k.as_bytes()));
+    }
+
     /// Slots holding the keys `k0`, `k1`, ...
-    pub(crate) fn keys(n: usize) -> Vec<KeySlot> {
-        (0..n).map(|i| slot(format!("k{i}").as_bytes())).collect()
+    pub(crate) fn keys(n: usize) -> TestKeys {
+        let names: Vec<String> = (0..n).map(|i| format!("k{i}")).collect();
+        let refs: Vec<&[u8]> = names.iter().map(String::as_bytes).collect();
+        keys_of(&refs)
     }
 }
 

@@ -4,7 +4,7 @@
 //! [`Manager`] decides which keys to store, which to load back and which to evict, exactly as
 //! vLLM 0.33.0's `CPUOffloadingManager` does, from these parts:
 //! - [`ChunkPool`]: free slots, handed out in vLLM's order;
-//! - [`RefCountTable`]: -1 pending, 0 evictable, n pinned by n loads;
+//! - [`Slots`]: -1 pending, 0 evictable, n pinned by n loads;
 //! - [`AdmissionTracker`]: bounded offer counts for the store threshold;
 //! - [`CachePolicy`]: [`LruPolicy`] and [`ArcPolicy`];
 //! - [`RequestState`]: what one request saw, owned by the request;
@@ -19,15 +19,15 @@
 pub mod admission;
 pub mod error;
 pub mod host;
-pub mod index;
 pub mod key;
 pub mod liveness;
 pub mod manager;
+pub mod mem;
 pub mod policy;
 pub mod pool;
-pub mod refcount;
 pub mod request;
 pub mod sketch;
+pub mod table;
 
 pub use admission::AdmissionTracker;
 pub use error::{CoreError, Result};
@@ -39,5 +39,5 @@ pub use manager::{
 };
 pub use policy::{ArcPolicy, CachePolicy, LruPolicy, PolicyState};
 pub use pool::{ChunkId, ChunkPool};
-pub use refcount::{ChunkState, RefCountTable};
 pub use request::RequestState;
+pub use table::{ChunkState, ChunkTable, Probe, Release, Slots};

@@ -17,7 +17,7 @@
 
 use crate::error::{ensure, Result};
 use crate::pool::ChunkId;
-use crate::refcount::{ChunkState, RefCountTable};
+use crate::table::{ChunkState, Slots};
 use std::collections::VecDeque;
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -81,7 +81,7 @@ impl PendingWrites {
     }
 
     /// The writes to `chunks` started now (they are pending in `refs` already).
-    pub fn started(&mut self, chunks: &[ChunkId], refs: &RefCountTable) {
+    pub fn started(&mut self, chunks: &[ChunkId], refs: &Slots) {
         if let (Some(source), false) = (self.source, chunks.is_empty()) {
             self.set_now(source());
         }
@@ -110,20 +110,20 @@ impl PendingWrites {
     }
 
     /// Whether `e` is the latest write of its chunk and that chunk is still pending.
-    fn is_live(&self, e: &Entry, refs: &RefCountTable) -> bool {
+    fn is_live(&self, e: &Entry, refs: &Slots) -> bool {
         self.tickets.get(e.chunk as usize) == Some(&e.ticket)
             && refs.state(e.chunk) == ChunkState::Pending
     }
 
     /// Drop every dead entry.
-    fn compact(&mut self, refs: &RefCountTable) {
+    fn compact(&mut self, refs: &Slots) {
         let mut queue = std::mem::take(&mut self.queue);
         queue.retain(|e| self.is_live(e, refs));
         self.queue = queue;
     }
 
     /// Drop dead entries at the front; the front (if any) is then the oldest live write.
-    fn prune_front(&mut self, refs: &RefCountTable) {
+    fn prune_front(&mut self, refs: &Slots) {
         while let Some(e) = self.queue.front() {
             if self.is_live(e, refs) {
                 break;
@@ -133,14 +133,14 @@ impl PendingWrites {
     }
 
     /// `(start time, chunk)` of the oldest pending write.
-    pub fn oldest(&mut self, refs: &RefCountTable) -> Option<(f64, ChunkId)> {
+    pub fn oldest(&mut self, refs: &Slots) -> Option<(f64, ChunkId)> {
         self.prune_front(refs);
         self.queue.front().map(|e| (e.start, e.chunk))
     }
 
     /// Take the pending writes older than `timeout` seconds now (`now - start > timeout`),
     /// oldest first, and count them as expired. The caller ends them (they are still pending).
-    pub fn take_overdue(&mut self, timeout: f64, refs: &RefCountTable) -> Vec<ChunkId> {
+    pub fn take_overdue(&mut self, timeout: f64, refs: &Slots) -> Vec<ChunkId> {
         let mut overdue = Vec::new();
         loop {
             self.prune_front(refs);
@@ -176,7 +176,7 @@ impl PendingWrites {
     /// Every pending chunk of `refs` has exactly one live entry, start times never decrease,
     /// none is later than the clock, and the queue is within its bound (twice the chunks ever
     /// written since the last clear, plus `SLACK`).
-    pub fn validate(&self, refs: &RefCountTable) -> Result<()> {
+    pub fn validate(&self, refs: &Slots) -> Result<()> {
         let mut live = 0;
         let mut last = f64::NEG_INFINITY;
         for e in &self.queue {
@@ -208,14 +208,14 @@ impl PendingWrites {
 mod tests {
     use super::*;
 
-    fn table(n: u32) -> RefCountTable {
-        let mut refs = RefCountTable::new(n);
+    fn table(n: u32) -> Slots {
+        let mut refs = Slots::new(n).unwrap();
         refs.grow(n as usize);
         refs
     }
 
-    fn start(w: &mut PendingWrites, refs: &mut RefCountTable, c: ChunkId) {
-        refs.insert_pending(c);
+    fn start(w: &mut PendingWrites, refs: &mut Slots, c: ChunkId) {
+        crate::key::test_util::pend(refs, c);
         w.started(&[c], refs);
     }
 

@@ -7,19 +7,19 @@
 
 use crate::admission::AdmissionTracker;
 use crate::error::{ensure, show_key, CoreError, Result};
-use crate::index::{prefetch, KeyIndex};
-use crate::key::{group_of, hash_key, KeyBuf, KeySlot};
+use crate::key::{group_of, hash_key, KeyBuf};
 use crate::liveness::PendingWrites;
 use crate::policy::{
     Access, ArcPolicy, CachePolicy, FifoPolicy, FinishedKey, LfuPolicy, LruPolicy, PolicyState,
     S3FifoPolicy, SievePolicy, SlruPolicy, TwoQPolicy,
 };
 use crate::pool::{ChunkId, ChunkPool};
-use crate::refcount::{ChunkState, RefCountTable};
 use crate::request::{RequestState, INSERTED, REPORTED, REUSED};
 use crate::sketch::{sketch_hash, FrequencySketch};
+use crate::table::{ChunkState, ChunkTable, Slots};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Per-call scratch lists: a scheduler batch (typically <= 32 keys) needs no heap allocation.
 type Scratch<T> = SmallVec<[T; 32]>;
@@ -194,11 +194,9 @@ pub struct Manager {
     id: u64,
     generation: u64,
     pool: ChunkPool,
-    refs: RefCountTable,
-    /// Key, hash and residency of each chunk slot (the hash spares the index rehashing keys).
-    slots: Vec<KeySlot>,
-    /// Chunk of each resident key, by key hash.
-    index: KeyIndex,
+    /// Key, hash and ref count of each chunk slot, and the key index (shared with lock-free
+    /// readers and releasers).
+    slots: Slots,
     policy: Box<dyn CachePolicy>,
     tracker: Option<AdmissionTracker>,
     sketch: Option<FrequencySketch>,
@@ -251,9 +249,9 @@ impl Manager {
             id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
             generation: 0,
             pool: ChunkPool::new(n),
-            refs: RefCountTable::new(n),
-            slots: Vec::new(),
-            index: KeyIndex::new(),
+            slots: Slots::new(n).ok_or_else(|| {
+                CoreError::InvalidArgument(format!("cannot map the tables of {n} chunks"))
+            })?,
             policy,
             tracker: (config.store_threshold >= 2 && config.admission == Admission::Tracker)
                 .then(|| AdmissionTracker::new(config.store_threshold, config.max_tracker_size)),
@@ -282,7 +280,7 @@ impl Manager {
     /// Tell an external policy chunk `c`'s current ref count.
     fn mirror_ref(&mut self, c: ChunkId) {
         if self.external {
-            self.policy.set_ref(c, self.refs.raw(c));
+            self.policy.set_ref(c, self.slots.raw(c));
         }
     }
 
@@ -290,7 +288,7 @@ impl Manager {
     /// (undoing a failed `prepare_load`; failures of these reports are not checked).
     fn undo_pins(&mut self, chunks: &[ChunkId]) {
         for &c in chunks.iter().rev() {
-            let zero = self.refs.unpin(c);
+            let zero = self.slots.unpin_all(&[c]).is_ok_and(|z| z[0]);
             self.mirror_ref(c);
             if zero {
                 self.policy.mark_evictable(c);
@@ -316,11 +314,7 @@ impl Manager {
     // --- lookups ---
 
     fn find(&self, key: &[u8], hash: u64) -> Option<ChunkId> {
-        let slots = &self.slots;
-        self.index.find(hash, |c| {
-            let s = &slots[c as usize];
-            s.hash == hash && s.key.as_slice() == key
-        })
+        self.slots.find(key, hash)
     }
 
     /// The chunk of each key, resolved with the cache misses of the batch overlapped: every
@@ -328,14 +322,11 @@ impl Manager {
     fn resolve(&self, keys: &[&[u8]], hashes: &[u64]) -> Scratch<Option<ChunkId>> {
         if keys.len() > 1 {
             for &h in hashes {
-                self.index.prefetch(h);
+                self.slots.prefetch_bucket(h);
             }
             for &h in hashes {
-                if let Some(c) = self.index.candidate(h) {
-                    if let Some(slot) = self.slots.get(c as usize) {
-                        prefetch(slot);
-                    }
-                    self.refs.prefetch(c);
+                if let Some(c) = self.slots.candidate(h) {
+                    self.slots.prefetch(c);
                     self.policy.prefetch(c);
                 }
             }
@@ -359,7 +350,7 @@ impl Manager {
     /// `Miss`, `HitPending` or `Hit`; changes nothing.
     #[must_use]
     pub fn lookup(&self, key: &[u8]) -> Lookup {
-        match self.chunk_of(key).map(|c| self.refs.state(c)) {
+        match self.chunk_of(key).map(|c| self.slots.state(c)) {
             None | Some(ChunkState::Absent) => Lookup::Miss,
             Some(ChunkState::Pending) => Lookup::HitPending,
             Some(ChunkState::Ready(_)) => Lookup::Hit,
@@ -377,7 +368,7 @@ impl Manager {
             let n = found
                 .iter()
                 .take_while(|c| {
-                    c.is_some_and(|c| matches!(self.refs.state(c), ChunkState::Ready(_)))
+                    c.is_some_and(|c| matches!(self.slots.state(c), ChunkState::Ready(_)))
                 })
                 .count();
             hits += n;
@@ -397,6 +388,7 @@ impl Manager {
         positions: Option<&[Option<i64>]>,
         req: &mut RequestState,
     ) -> Result<Vec<ChunkId>> {
+        self.apply_releases();
         check_positions(keys, positions)?;
         let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
         let found = self.resolve(keys, &hashes);
@@ -408,7 +400,7 @@ impl Manager {
                     show_key(k)
                 )));
             };
-            if self.refs.state(c) == ChunkState::Pending {
+            if self.slots.state(c) == ChunkState::Pending {
                 return Err(CoreError::KeyState(format!(
                     "cannot load {}: its store has not completed",
                     show_key(k)
@@ -417,17 +409,17 @@ impl Manager {
             chunks.push(c);
         }
         for (c, times) in multiplicities(&chunks) {
-            self.refs.check_pin(c, times)?;
+            self.slots.check_pin(c, times)?;
         }
         let mut call = Call::new(keys, &hashes, positions, req);
         call.check_may_record(req, 0..keys.len())?;
 
         for (n, &c) in chunks.iter().enumerate() {
-            if self.refs.pin(c) {
+            if self.slots.pin(c) {
                 self.policy.mark_non_evictable(c);
                 if self.policy_failed() {
                     // Its report failed: release it silently, then undo the reported ones.
-                    self.refs.unpin(c);
+                    let _ = self.slots.unpin_all(&[c]);
                     self.undo_pins(&chunks[..n]);
                     return Err(policy_error("mark_non_evictable"));
                 }
@@ -448,11 +440,13 @@ impl Manager {
 
     /// Release one pin per key; a chunk whose count reaches 0 is evictable again.
     pub fn complete_load(&mut self, keys: &[&[u8]]) -> Result<()> {
+        self.apply_releases();
         let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
         let found = self.resolve(keys, &hashes);
         let mut chunks: Scratch<ChunkId> = SmallVec::with_capacity(keys.len());
         for (k, &c) in keys.iter().zip(&found) {
-            let pinned = c.filter(|&c| matches!(self.refs.state(c), ChunkState::Ready(n) if n > 0));
+            let pinned =
+                c.filter(|&c| matches!(self.slots.state(c), ChunkState::Ready(n) if n > 0));
             let Some(c) = pinned else {
                 return Err(CoreError::KeyState(format!(
                     "cannot complete a load of {}: it is not being loaded",
@@ -462,17 +456,23 @@ impl Manager {
             chunks.push(c);
         }
         for (c, times) in multiplicities(&chunks) {
-            if let ChunkState::Ready(n) = self.refs.state(c) {
+            if let ChunkState::Ready(n) = self.slots.state(c) {
                 if times > n {
                     return Err(CoreError::KeyState(format!(
                         "cannot complete {times} loads of {}: only {n} in flight",
-                        show_key(&self.slots[c as usize].key)
+                        show_key(&self.slots.key(c))
                     )));
                 }
             }
         }
-        for &c in &chunks {
-            let zero = self.refs.unpin(c);
+        // All or none: a lock-free release on another thread may have taken a pin meanwhile.
+        let zero = self.slots.unpin_all(&chunks).map_err(|i| {
+            CoreError::KeyState(format!(
+                "cannot complete a load of {}: it is not being loaded",
+                show_key(keys[i])
+            ))
+        })?;
+        for (&c, zero) in chunks.iter().zip(zero) {
             self.mirror_ref(c);
             if zero {
                 self.policy.mark_evictable(c);
@@ -483,6 +483,7 @@ impl Manager {
 
     /// Forward a touch to the policy (absent keys included: ARC learns from ghosts).
     pub fn touch(&mut self, keys: &[&[u8]]) {
+        self.apply_releases();
         let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
         let found = self.resolve(keys, &hashes);
         let access: Scratch<Access<'_>> = keys
@@ -496,7 +497,7 @@ impl Manager {
                 position: None,
             })
             .collect();
-        self.policy.touch(&access, &self.refs);
+        self.policy.touch(&access, &self.slots);
     }
 
     // --- stores ---
@@ -509,6 +510,7 @@ impl Manager {
         positions: Option<&[Option<i64>]>,
         req: &mut RequestState,
     ) -> Result<Option<StoreOutcome>> {
+        self.apply_releases();
         check_positions(keys, positions)?;
         let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
         check_distinct(keys, &hashes)?;
@@ -525,7 +527,7 @@ impl Manager {
                 None => Offered::Absent {
                     admitted: self.would_admit(k, sketch_hashes.get(i).copied(), req),
                 },
-                Some(c) if self.refs.state(c) == ChunkState::Pending => Offered::Pending(c),
+                Some(c) if self.slots.state(c) == ChunkState::Pending => Offered::Pending(c),
                 Some(c) => Offered::Readable(c),
             })
             .collect();
@@ -616,6 +618,7 @@ impl Manager {
     /// Finish stores: pending keys become ready (`success`) or are dropped (failure). Other keys
     /// are ignored. At most one event is queued. Returns the chunks freed (failure only).
     pub fn complete_store(&mut self, keys: &[&[u8]], success: bool) -> Vec<ChunkId> {
+        self.apply_releases();
         let mut freed = Vec::new();
         let mut done: Vec<KeyBuf> = Vec::new();
         let keep = self.events.is_some();
@@ -623,20 +626,19 @@ impl Manager {
         let found = self.resolve(keys, &hashes);
         for (k, &c) in keys.iter().zip(&found) {
             let Some(c) = c else { continue };
-            if self.refs.state(c) != ChunkState::Pending {
+            if self.slots.state(c) != ChunkState::Pending {
                 continue;
             }
             if success {
-                self.refs.complete_store(c);
+                self.slots.complete_store(c);
                 self.mirror_ref(c);
                 self.policy.mark_evictable(c);
                 if keep {
                     done.push(KeyBuf::from_slice(k));
                 }
             } else {
-                self.refs.remove(c);
+                let key = self.slots.remove(c);
                 self.policy.remove(c);
-                let key = self.unindex(c);
                 if keep {
                     done.push(key);
                 }
@@ -663,6 +665,7 @@ impl Manager {
         req: &mut RequestState,
         positions: &[Option<i64>],
     ) -> Result<()> {
+        self.apply_releases();
         if !self.is_current(req) || req.finished {
             return Ok(());
         }
@@ -696,12 +699,11 @@ impl Manager {
     /// Drop every chunk and the policy state; request state of earlier generations goes stale.
     /// Undrained events, tracker counts, histogram samples and the skipped count are kept.
     pub fn reset_cache(&mut self) {
+        self.apply_releases();
         self.policy.clear();
         self.generation += 1;
-        self.refs.clear();
-        self.pool.reset();
-        self.index.clear();
         self.slots.clear();
+        self.pool.reset();
         self.protect.clear();
         self.liveness.clear();
     }
@@ -719,10 +721,11 @@ impl Manager {
 
     /// Counters for `get_stats`; the histogram samples and skipped count restart.
     pub fn take_stats(&mut self) -> RawStats {
+        self.apply_releases();
         RawStats {
             num_chunks: self.pool.num_chunks(),
-            num_used: self.pool.num_used() - self.refs.num_evictable(),
-            num_pending: self.refs.num_pending(),
+            num_used: self.pool.num_used() - self.slots.num_evictable(),
+            num_pending: self.slots.num_pending(),
             allocation_sizes: std::mem::take(&mut self.allocation_sizes),
             stores_skipped: (self.tracker.is_some() || self.sketch.is_some())
                 .then(|| std::mem::take(&mut self.stores_skipped)),
@@ -733,26 +736,32 @@ impl Manager {
 
     /// `(key, chunk, ref count)` of every resident key, by chunk id.
     #[must_use]
-    pub fn resident(&self) -> Vec<(&[u8], ChunkId, i32)> {
-        (0..self.slots.len())
-            .filter(|&i| self.slots[i].resident)
-            .map(|i| {
-                (
-                    self.slots[i].key.as_slice(),
-                    i as ChunkId,
-                    self.refs.raw(i as ChunkId),
-                )
-            })
+    pub fn resident(&self) -> Vec<(KeyBuf, ChunkId, i32)> {
+        (0..self.slots.used() as ChunkId)
+            .filter(|&c| self.slots.resident(c))
+            .map(|c| (self.slots.key(c), c, self.slots.raw(c)))
             .collect()
     }
 
     /// The key held by chunk `c`, if any.
     #[must_use]
-    pub fn key_of(&self, c: ChunkId) -> Option<&[u8]> {
-        self.slots
-            .get(c as usize)
-            .filter(|s| s.resident)
-            .map(|s| s.key.as_slice())
+    pub fn key_of(&self, c: ChunkId) -> Option<KeyBuf> {
+        ((c as usize) < self.slots.capacity() && self.slots.resident(c)).then(|| self.slots.key(c))
+    }
+
+    /// The table lock-free readers and releasers share with this manager.
+    #[must_use]
+    pub fn shared_table(&self) -> Arc<ChunkTable> {
+        self.slots.shared()
+    }
+
+    /// Apply the releases that lock-free completions ([`ChunkTable::release`]) queued, in their
+    /// order, telling the policy. Every call that changes or reports state does this first, so
+    /// one thread calling sees exactly what an immediate `complete_load` would have done; a
+    /// binding runs it whenever it takes its lock, before introspection too.
+    pub fn apply_releases(&mut self) {
+        let policy = &mut self.policy;
+        self.slots.drain_releases(|c| policy.mark_evictable(c));
     }
 
     /// Snapshot of the policy's order.
@@ -781,7 +790,7 @@ impl Manager {
     /// Check every invariant across the pool, ref counts, index, tracker and policy.
     pub fn validate(&self) -> Result<()> {
         self.pool.validate()?;
-        self.refs.validate()?;
+        self.slots.validate()?;
         if let Some(t) = &self.tracker {
             t.validate()?;
         }
@@ -789,56 +798,32 @@ impl Manager {
             s.validate()?;
         }
         let (fresh, free) = self.pool.state();
-        // Slots past the ids handed out exist only after an undone allocation, and are empty.
+        // Slots past the ids handed out hold keys never (after an undone allocation, they are
+        // empty again).
         ensure!(
-            self.slots.len() >= fresh as usize
-                && self.slots[fresh as usize..].iter().all(|s| !s.resident),
-            "manager: per-chunk arrays out of step with the pool"
+            (fresh as usize..self.slots.used()).all(|i| !self.slots.resident(i as ChunkId)),
+            "manager: a key in a slot the pool has not handed out"
         );
         let mut n = 0;
-        for (i, slot) in self.slots.iter().enumerate() {
-            let (c, res) = (i as ChunkId, slot.resident);
-            ensure!(
-                res == (self.refs.state(c) != ChunkState::Absent),
-                "manager: chunk {i} residency vs ref count"
-            );
-            if res {
+        for c in 0..self.slots.used() as ChunkId {
+            if self.slots.resident(c) {
                 n += 1;
                 ensure!(
-                    slot.hash == hash_key(&slot.key),
-                    "manager: stale hash for chunk {i}"
-                );
-                ensure!(
-                    self.chunk_of(&slot.key) == Some(c),
-                    "manager: index does not map chunk {i}'s key to it"
-                );
-                ensure!(
                     !free.contains(&c),
-                    "manager: resident chunk {i} is on the free list"
+                    "manager: resident chunk {c} is on the free list"
                 );
             }
-        }
-        ensure!(
-            self.index.len() == n,
-            "manager: index holds {} keys for {n} resident chunks",
-            self.index.len()
-        );
-        self.index.validate()?;
-        for (tag, c) in self.index.entries() {
-            let slot = self.slots.get(c as usize);
-            ensure!(
-                slot.is_some_and(|s| s.resident && s.hash as u32 == tag),
-                "manager: index entry for chunk {c} does not match its slot"
-            );
         }
         ensure!(
             self.pool.num_used() == n,
             "manager: pool lends {} chunks, {n} resident",
             self.pool.num_used()
         );
-        self.liveness.validate(&self.refs)?;
-        let resident: Vec<bool> = self.slots.iter().map(|s| s.resident).collect();
-        self.policy.validate(&resident, &self.refs)
+        self.liveness.validate(&self.slots)?;
+        let resident: Vec<bool> = (0..self.slots.used() as ChunkId)
+            .map(|c| self.slots.resident(c))
+            .collect();
+        self.policy.validate(&resident, &self.slots)
     }
 
     // --- internals ---
@@ -905,7 +890,7 @@ impl Manager {
             return Ok(Some(Vec::new()));
         };
         let mut victims = Vec::with_capacity(shortfall);
-        if shortfall > self.refs.num_evictable() {
+        if shortfall > self.slots.num_evictable() {
             return Ok(None);
         }
         self.protect_stamp += 1;
@@ -914,12 +899,12 @@ impl Manager {
         for s in status {
             if let Offered::Pending(c) | Offered::Readable(c) = *s {
                 self.protect[c as usize] = stamp;
-                protected_ready += usize::from(self.refs.raw(c) == 0);
+                protected_ready += usize::from(self.slots.raw(c) == 0);
             }
         }
         // Fewer ready, unprotected chunks than needed: no policy could evict enough. (Offered
         // keys are distinct, so each protected chunk is counted once.)
-        if !self.refs.can_evict(shortfall, protected_ready) {
+        if !self.slots.can_evict(shortfall, protected_ready) {
             return Ok(None);
         }
         let protect = &self.protect;
@@ -953,21 +938,21 @@ impl Manager {
             return broken(format!("it returned {} chunks", victims.len()));
         }
         for (i, &c) in victims.iter().enumerate() {
-            let resident = self.slots.get(c as usize).is_some_and(|s| s.resident);
+            let resident = (c as usize) < self.slots.capacity() && self.slots.resident(c);
             if !resident {
                 return broken(format!("chunk {c} holds no key"));
             }
-            let key = show_key(&self.slots[c as usize].key);
+            let key = show_key(&self.slots.key(c));
             if victims[..i].contains(&c) {
                 return broken(format!("it returned {key} twice"));
             }
             if self.protect[c as usize] == self.protect_stamp {
                 return broken(format!("{key} is protected (offered in this call)"));
             }
-            if self.refs.raw(c) != 0 {
+            if self.slots.raw(c) != 0 {
                 return broken(format!(
                     "{key} is not evictable (ref count {})",
-                    self.refs.raw(c)
+                    self.slots.raw(c)
                 ));
             }
         }
@@ -979,14 +964,13 @@ impl Manager {
         let mut evicted = Vec::with_capacity(victims.len());
         // The victims' keys, then their index buckets: the misses overlap.
         for &c in victims {
-            prefetch(&self.slots[c as usize]);
+            self.slots.prefetch(c);
         }
         for &c in victims {
-            self.index.prefetch(self.slots[c as usize].hash);
+            self.slots.prefetch_bucket(self.slots.hash(c));
         }
         for &c in victims {
-            self.refs.remove(c);
-            evicted.push(self.unindex(c));
+            evicted.push(self.slots.remove(c));
             self.pool.free(c);
             if self.external {
                 self.policy.forget(c);
@@ -1019,8 +1003,7 @@ impl Manager {
         let (used, _) = self.pool.state();
         self.grow(used as usize);
         for (n, (&i, &c)) in candidates.iter().zip(&chunks).enumerate() {
-            self.index_key(c, call.keys[i], call.hashes[i]);
-            self.refs.insert_pending(c);
+            self.slots.insert(c, call.keys[i], call.hashes[i]);
             self.policy.insert(c, call.access(i, None), &mut req.rank);
             if self.policy_failed() {
                 // The failed insert is taken not to have happened; the earlier ones are undone.
@@ -1028,44 +1011,23 @@ impl Manager {
                     if m < n {
                         self.policy.remove(c);
                     }
-                    self.refs.remove(c);
-                    self.unindex(c);
+                    self.slots.remove(c);
                 }
                 self.policy.failed();
                 self.pool.undo_allocate(&chunks, fresh_before);
                 return None;
             }
         }
-        self.liveness.started(&chunks, &self.refs);
+        self.liveness.started(&chunks, &self.slots);
         Some(chunks)
     }
 
     fn grow(&mut self, n: usize) {
-        if n > self.slots.len() {
-            self.slots.resize_with(n, KeySlot::default);
+        if n > self.protect.len() {
             self.protect.resize(n, 0);
-            self.refs.grow(n);
+            self.slots.grow(n);
             self.policy.grow(n);
         }
-    }
-
-    fn index_key(&mut self, c: ChunkId, key: &[u8], hash: u64) {
-        let i = c as usize;
-        let slot = &mut self.slots[i];
-        slot.key = KeyBuf::from_slice(key);
-        slot.hash = hash;
-        slot.resident = true;
-        self.index.insert(hash, c);
-    }
-
-    /// Remove chunk `c`'s key from the index; returns the key.
-    fn unindex(&mut self, c: ChunkId) -> KeyBuf {
-        let i = c as usize;
-        let slot = &mut self.slots[i];
-        let key = std::mem::take(&mut slot.key);
-        slot.resident = false;
-        self.index.remove(slot.hash, c);
-        key
     }
 
     /// Record a request's access to `keys[i]` for `i` in `which` (call order): keys new to the
@@ -1317,29 +1279,27 @@ impl Manager {
         self.liveness.set_now(now);
         let clock = self.liveness.now();
         self.liveness
-            .oldest(&self.refs)
+            .oldest(&self.slots)
             .map(|(start, _)| clock - start)
     }
 
     /// Writes pending now (ref count -1).
     #[must_use]
     pub fn num_pending_writes(&self) -> usize {
-        self.refs.num_pending()
+        self.slots.num_pending()
     }
 
     /// End every write older than `timeout` at `now` (`now - start > timeout`) exactly as
     /// `complete_store(keys, false)` would: chunks freed, one metadata-only removal event.
     /// Returns `(chunk, key)` of each, oldest first.
     pub fn expire_pending_writes(&mut self, now: f64, timeout: f64) -> Vec<(ChunkId, KeyBuf)> {
+        self.apply_releases();
         self.liveness.set_now(now);
-        let chunks = self.liveness.take_overdue(timeout, &self.refs);
+        let chunks = self.liveness.take_overdue(timeout, &self.slots);
         if chunks.is_empty() {
             return Vec::new();
         }
-        let keys: Vec<KeyBuf> = chunks
-            .iter()
-            .map(|&c| self.slots[c as usize].key.clone())
-            .collect();
+        let keys: Vec<KeyBuf> = chunks.iter().map(|&c| self.slots.key(c)).collect();
         let slices: Vec<&[u8]> = keys.iter().map(KeyBuf::as_slice).collect();
         let freed = self.complete_store(&slices, false);
         debug_assert_eq!(freed, chunks, "every overdue write was pending");

@@ -7,11 +7,9 @@
 //! (the LRU's own structures included), and a failed prepare call must have left the
 //! observable state as it was.
 
-use kvoffload_core::key::KeySlot;
 use kvoffload_core::policy::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
 use kvoffload_core::{
-    Admission, ChunkId, CoreError, Manager, ManagerConfig, PolicyKind, RefCountTable, RequestState,
-    Result,
+    Admission, ChunkId, CoreError, Manager, ManagerConfig, PolicyKind, RequestState, Result, Slots,
 };
 use proptest::prelude::*;
 
@@ -54,7 +52,7 @@ impl CachePolicy for Flaky {
     fn remove(&mut self, chunk: ChunkId) {
         self.inner.remove(chunk);
     }
-    fn touch(&mut self, keys: &[Access<'_>], refs: &RefCountTable) {
+    fn touch(&mut self, keys: &[Access<'_>], refs: &Slots) {
         self.inner.touch(keys, refs);
     }
     fn on_store_miss(&mut self, keys: &[Access<'_>]) {
@@ -74,7 +72,7 @@ impl CachePolicy for Flaky {
         &mut self,
         n: usize,
         protected: &dyn Fn(ChunkId) -> bool,
-        keys: &[KeySlot],
+        keys: &Slots,
         out: &mut Vec<ChunkId>,
     ) -> bool {
         !self.fails(Method::Evict) && self.inner.evict(n, protected, keys, out)
@@ -93,7 +91,7 @@ impl CachePolicy for Flaky {
     fn state(&self) -> PolicyState {
         self.inner.state()
     }
-    fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()> {
+    fn validate(&self, resident: &[bool], refs: &Slots) -> Result<()> {
         self.inner.validate(resident, refs)
     }
     fn failed(&mut self) -> bool {
@@ -218,7 +216,7 @@ proptest! {
                     let keys: Vec<Vec<u8>> = ks
                         .iter()
                         .map(key)
-                        .filter(|k| m.resident().iter().any(|e| e.0 == k.as_slice() && e.2 >= 0))
+                        .filter(|k| m.resident().iter().any(|e| e.0.as_slice() == k.as_slice() && e.2 >= 0))
                         .collect();
                     let slices: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
                     match m.prepare_load(&slices, None, &mut reqs[r]) {

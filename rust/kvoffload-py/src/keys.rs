@@ -89,8 +89,8 @@ fn prefetch_items(list: &Bound<'_, PyList>) {
         }
         // The object header and the next line (a `bytes` object's data starts 32 bytes in).
         let p = item.cast::<u8>().cast_const();
-        kvoffload_core::index::prefetch_addr(p);
-        kvoffload_core::index::prefetch_addr(p.wrapping_add(64));
+        kvoffload_core::mem::prefetch_addr(p);
+        kvoffload_core::mem::prefetch_addr(p.wrapping_add(64));
     }
 }
 

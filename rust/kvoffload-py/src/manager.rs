@@ -15,7 +15,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 /// Why the manager could not be locked.
 enum LockError {
@@ -152,6 +152,15 @@ pub(crate) struct ManagerCore {
     types: Option<ResultTypes>,
     /// The clock of pending writes, and their expiry.
     liveness: Liveness,
+    /// The manager's slot table: lookups read it, and load completions (built-in policies)
+    /// release pins in it, without the lock.
+    table: Arc<core::ChunkTable>,
+}
+
+/// A locked manager, with the releases that lock-free completions queued applied first.
+fn applied(mut guard: MutexGuard<'_, Core>) -> MutexGuard<'_, Core> {
+    guard.manager.apply_releases();
+    guard
 }
 
 impl ManagerCore {
@@ -173,12 +182,16 @@ impl ManagerCore {
     /// holder's own thread) is refused instead of deadlocking.
     fn acquire(&self, py: Python<'_>) -> Result<MutexGuard<'_, Core>, LockError> {
         if !self.python_policy {
-            return self.inner.lock().map_err(|_| LockError::Poisoned);
+            return self
+                .inner
+                .lock()
+                .map(applied)
+                .map_err(|_| LockError::Poisoned);
         }
         let mut spins = 0u32;
         loop {
             match self.inner.try_lock() {
-                Ok(guard) => return Ok(guard),
+                Ok(guard) => return Ok(applied(guard)),
                 Err(TryLockError::Poisoned(_)) => return Err(LockError::Poisoned),
                 Err(TryLockError::WouldBlock) => {
                     if self.busy.load(Ordering::Acquire) == thread_mark() {
@@ -226,7 +239,7 @@ impl ManagerCore {
     ) -> PyResult<(R, Option<PyErr>)> {
         if !self.python_policy && keys.len() >= DETACH_MIN_KEYS {
             let out = py.detach(|| {
-                let mut m = self.inner.lock().map_err(|_| LockError::Poisoned)?;
+                let mut m = applied(self.inner.lock().map_err(|_| LockError::Poisoned)?);
                 let mut s = match state {
                     Some(st) => Some(st.inner.lock().map_err(|_| LockError::Poisoned)?),
                     None => None,
@@ -505,7 +518,9 @@ impl ManagerCore {
         };
         let mut inner = inner.map_err(|e| to_py(py, e))?;
         inner.set_clock_source(liveness.source());
+        let table = inner.shared_table();
         Ok(Self {
+            table,
             inner: Mutex::new(Core {
                 manager: inner,
                 keys: Vec::new(),
@@ -529,7 +544,12 @@ impl ManagerCore {
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = req_context;
         let key = one_key(key)?;
-        let found = self.lock(py)?.lookup(key);
+        let found = match self.table.probe(key, core::hash_key(key)) {
+            core::Probe::Miss => Lookup::Miss,
+            core::Probe::Pending => Lookup::HitPending,
+            core::Probe::Ready => Lookup::Hit,
+            core::Probe::Unsure => self.lock(py)?.lookup(key),
+        };
         Ok(self.types(py)?.lookup[lookup_index(found)].bind(py).clone())
     }
 
@@ -537,6 +557,9 @@ impl ManagerCore {
     fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
+        if let Some(hits) = self.table.lookup_prefix(&slices) {
+            return Ok(hits);
+        }
         let (hits, _) =
             self.policy_call(py, None, &keys.objs, None, |m, _| m.lookup_prefix(&slices))?;
         Ok(hits)
@@ -573,6 +596,11 @@ impl ManagerCore {
     fn complete_load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
+        // Built-in policies learn of releases when the manager is next locked; a Python policy
+        // sees ref counts mirrored at once, so its manager releases under the lock.
+        if !self.python_policy && self.table.release(&slices) == core::Release::Done {
+            return Ok(());
+        }
         let (done, raised) =
             self.policy_call(py, None, &keys.objs, None, |m, _| m.complete_load(&slices))?;
         settle(py, done, raised)
@@ -821,7 +849,7 @@ impl ManagerCore {
             let m = self.lock(py)?;
             let state = m.policy_state();
             let keys = state_keys(&state, |c| {
-                m.key_of(c).map(<[u8]>::to_vec).unwrap_or_default()
+                m.key_of(c).map(|k| k.to_vec()).unwrap_or_default()
             });
             (state, keys)
         };

@@ -110,7 +110,7 @@ impl Workload {
             .manager
             .resident()
             .into_iter()
-            .map(|(k, _, _)| Key::try_from(k).expect("36-byte keys"))
+            .map(|(k, _, _)| Key::try_from(k.as_slice()).expect("36-byte keys"))
             .collect();
     }
 

@@ -20,9 +20,9 @@
 use super::order::EvictionOrder;
 use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
-use crate::key::{hash_key, KeyBuf, KeyHasher, KeySlot};
+use crate::key::{hash_key, KeyBuf, KeyHasher};
 use crate::pool::ChunkId;
-use crate::refcount::RefCountTable;
+use crate::table::Slots;
 use hashlink::linked_hash_map::RawEntryMut;
 use hashlink::LinkedHashMap;
 
@@ -135,17 +135,17 @@ impl ArcPolicy {
     }
 
     /// Evict `c` from its list (a ghost of it in `ghost`, if any).
-    fn drop_chunk(&mut self, c: ChunkId, ghost: bool, keys: &[KeySlot], out: &mut Vec<ChunkId>) {
+    fn drop_chunk(&mut self, c: ChunkId, ghost: bool, keys: &Slots, out: &mut Vec<ChunkId>) {
         let l = self.unlink(c);
         self.evictable[c as usize] = false;
         if ghost {
-            let slot = &keys[c as usize];
+            let (key, hash) = (keys.key(c), keys.hash(c));
             let ghosts = if l == List::T1 {
                 &mut self.b1
             } else {
                 &mut self.b2
             };
-            ghost_push(ghosts, &slot.key, slot.hash);
+            ghost_push(ghosts, &key, hash);
         }
         out.push(c);
     }
@@ -157,7 +157,7 @@ impl ArcPolicy {
         &mut self,
         n: usize,
         protected: &dyn Fn(ChunkId) -> bool,
-        keys: &[KeySlot],
+        keys: &Slots,
         out: &mut Vec<ChunkId>,
     ) -> bool {
         let c = self.capacity;
@@ -312,7 +312,7 @@ impl CachePolicy for ArcPolicy {
         self.evictable[chunk as usize] = false;
     }
 
-    fn touch(&mut self, keys: &[Access<'_>], refs: &RefCountTable) {
+    fn touch(&mut self, keys: &[Access<'_>], refs: &Slots) {
         for a in keys.iter().rev() {
             match a.chunk.map(|c| (c, self.list[c as usize].0)) {
                 Some((c, List::T1)) => {
@@ -352,7 +352,7 @@ impl CachePolicy for ArcPolicy {
     fn prefetch(&self, chunk: ChunkId) {
         // Which order holds the chunk is itself behind a miss: fetch the list entry only.
         if let Some(x) = self.list.get(chunk as usize) {
-            crate::index::prefetch(x);
+            crate::mem::prefetch(x);
         }
     }
 
@@ -374,7 +374,7 @@ impl CachePolicy for ArcPolicy {
         &mut self,
         n: usize,
         protected: &dyn Fn(ChunkId) -> bool,
-        keys: &[KeySlot],
+        keys: &Slots,
         out: &mut Vec<ChunkId>,
     ) -> bool {
         if self.paper {
@@ -424,13 +424,13 @@ impl CachePolicy for ArcPolicy {
         for (j, &c) in out[start..].iter().enumerate() {
             self.unlink(c);
             self.evictable[c as usize] = false;
-            let slot = &keys[c as usize];
+            let (key, hash) = (keys.key(c), keys.hash(c));
             let ghosts = if from_t1[j] {
                 &mut self.b1
             } else {
                 &mut self.b2
             };
-            ghost_push(ghosts, &slot.key, slot.hash);
+            ghost_push(ghosts, &key, hash);
         }
         for ghosts in [&mut self.b1, &mut self.b2] {
             while ghosts.len() > self.capacity {
@@ -483,7 +483,7 @@ impl CachePolicy for ArcPolicy {
         }
     }
 
-    fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()> {
+    fn validate(&self, resident: &[bool], refs: &Slots) -> Result<()> {
         ensure!(
             resident.len() == self.list.len(),
             "arc: per-chunk arrays differ in length"
@@ -581,9 +581,9 @@ impl CachePolicy for ArcPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::key::test_util::keys;
+    use crate::key::test_util::{keys, TestKeys};
 
-    fn ready(p: &mut ArcPolicy, refs: &mut RefCountTable, c: ChunkId, ks: &[KeySlot]) {
+    fn ready(p: &mut ArcPolicy, refs: &mut Slots, c: ChunkId, ks: &TestKeys) {
         p.grow(c as usize + 1);
         refs.grow(c as usize + 1);
         let s = &ks[c as usize];
@@ -597,12 +597,12 @@ mod tests {
             },
             &mut None,
         );
-        refs.insert_pending(c);
+        crate::key::test_util::pend(refs, c);
         refs.complete_store(c);
         p.mark_evictable(c);
     }
 
-    fn evict(p: &mut ArcPolicy, n: usize, ks: &[KeySlot]) -> Option<Vec<ChunkId>> {
+    fn evict(p: &mut ArcPolicy, n: usize, ks: &TestKeys) -> Option<Vec<ChunkId>> {
         let mut out = Vec::new();
         p.evict(n, &|_| false, ks, &mut out).then_some(out)
     }
@@ -610,7 +610,7 @@ mod tests {
     #[test]
     fn ghost_hit_raises_target_and_touch_promotes() {
         let ks = keys(3);
-        let mut refs = RefCountTable::new(3);
+        let mut refs = Slots::new(3).unwrap();
         let mut p = ArcPolicy::new(2);
         ready(&mut p, &mut refs, 0, &ks);
         ready(&mut p, &mut refs, 1, &ks);
@@ -647,7 +647,7 @@ mod tests {
     #[test]
     fn target_steers_between_lists() {
         let ks = keys(4);
-        let mut refs = RefCountTable::new(4);
+        let mut refs = Slots::new(4).unwrap();
         let mut p = ArcPolicy::new(4);
         for c in 0..4 {
             ready(&mut p, &mut refs, c, &ks);

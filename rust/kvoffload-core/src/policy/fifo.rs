@@ -11,9 +11,8 @@
 use super::order::EvictionOrder;
 use super::{Access, CachePolicy, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
-use crate::key::KeySlot;
 use crate::pool::ChunkId;
-use crate::refcount::RefCountTable;
+use crate::table::Slots;
 
 /// FIFO over chunk slots.
 #[derive(Debug, Clone)]
@@ -66,7 +65,7 @@ impl CachePolicy for FifoPolicy {
         &mut self,
         n: usize,
         protected: &dyn Fn(ChunkId) -> bool,
-        _keys: &[KeySlot],
+        _keys: &Slots,
         out: &mut Vec<ChunkId>,
     ) -> bool {
         let start = out.len();
@@ -124,7 +123,7 @@ impl CachePolicy for FifoPolicy {
         }
     }
 
-    fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()> {
+    fn validate(&self, resident: &[bool], refs: &Slots) -> Result<()> {
         ensure!(
             resident.len() == self.seq.len(),
             "fifo: per-chunk arrays differ in length"

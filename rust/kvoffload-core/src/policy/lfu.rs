@@ -18,9 +18,8 @@
 use super::queues::Queues;
 use super::{Access, CachePolicy, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
-use crate::key::KeySlot;
 use crate::pool::ChunkId;
-use crate::refcount::RefCountTable;
+use crate::table::Slots;
 
 /// The highest count (`M_refs`).
 const MAX_COUNT: usize = 15;
@@ -109,7 +108,7 @@ impl CachePolicy for LfuPolicy {
         &mut self,
         n: usize,
         protected: &dyn Fn(ChunkId) -> bool,
-        _keys: &[KeySlot],
+        _keys: &Slots,
         out: &mut Vec<ChunkId>,
     ) -> bool {
         for _ in 0..n {
@@ -146,7 +145,7 @@ impl CachePolicy for LfuPolicy {
         }
     }
 
-    fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()> {
+    fn validate(&self, resident: &[bool], refs: &Slots) -> Result<()> {
         self.queues.validate(resident, |c| refs.raw(c) == 0)?;
         let n = resident.iter().filter(|&&r| r).count();
         let total: usize = (0..=MAX_COUNT).map(|k| k * self.queues.len(k)).sum();
@@ -179,10 +178,10 @@ mod tests {
             p.insert(c, acc(c), &mut None);
             p.mark_evictable(c);
         }
-        let refs = RefCountTable::new(3);
+        let refs = Slots::new(3).unwrap();
         p.touch(&[acc(0), acc(0), acc(2)], &refs); // counts 3, 1, 2
         let mut out = Vec::new();
-        assert!(p.evict(1, &|_| false, &[], &mut out));
+        assert!(p.evict(1, &|_| false, &crate::key::test_util::keys(0), &mut out));
         assert_eq!(out, vec![1]);
         // Total 5 over 2 chunks; 4 more hits on 2 push the average past 4: halve to 1 and 3.
         p.touch(&[acc(2), acc(2), acc(2), acc(2)], &refs);
@@ -194,7 +193,7 @@ mod tests {
             (vec![(0, 1)], vec![(2, 3)])
         );
         out.clear();
-        assert!(p.evict(1, &|_| false, &[], &mut out));
+        assert!(p.evict(1, &|_| false, &crate::key::test_util::keys(0), &mut out));
         assert_eq!(out, vec![0]);
     }
 }

@@ -15,9 +15,8 @@
 use super::order::EvictionOrder;
 use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
-use crate::key::KeySlot;
 use crate::pool::ChunkId;
-use crate::refcount::RefCountTable;
+use crate::table::Slots;
 
 type Rank = (u64, i64);
 
@@ -102,7 +101,7 @@ impl CachePolicy for LruPolicy {
         self.resident[chunk as usize] = false;
     }
 
-    fn touch(&mut self, keys: &[Access<'_>], _refs: &RefCountTable) {
+    fn touch(&mut self, keys: &[Access<'_>], _refs: &Slots) {
         for a in keys {
             if let Some(c) = a.chunk {
                 self.order.prefetch_neighbours(c);
@@ -119,7 +118,7 @@ impl CachePolicy for LruPolicy {
 
     fn prefetch(&self, chunk: ChunkId) {
         if let Some(r) = self.ranks.get(chunk as usize) {
-            crate::index::prefetch(r);
+            crate::mem::prefetch(r);
         }
         self.order.prefetch(chunk);
     }
@@ -149,7 +148,7 @@ impl CachePolicy for LruPolicy {
         &mut self,
         n: usize,
         protected: &dyn Fn(ChunkId) -> bool,
-        keys: &[KeySlot],
+        keys: &Slots,
         out: &mut Vec<ChunkId>,
     ) -> bool {
         let start = out.len();
@@ -169,7 +168,7 @@ impl CachePolicy for LruPolicy {
                     run.push(c2);
                     it.next();
                 }
-                run.sort_by(|&x, &y| keys[x as usize].key.cmp(&keys[y as usize].key));
+                run.sort_by_cached_key(|&x| keys.key(x));
                 for &c in &run {
                     if !protected(c) {
                         out.push(c);
@@ -226,7 +225,7 @@ impl CachePolicy for LruPolicy {
         }
     }
 
-    fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()> {
+    fn validate(&self, resident: &[bool], refs: &Slots) -> Result<()> {
         ensure!(
             resident == self.resident.as_slice(),
             "lru: resident set differs from the index"
@@ -274,7 +273,7 @@ impl CachePolicy for LruPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::key::test_util::{keys, slot};
+    use crate::key::test_util::{keys, keys_of};
 
     fn ready(p: &mut LruPolicy, c: ChunkId, pos: Option<i64>, rank: &mut RequestRank) {
         p.grow(c as usize + 1);
@@ -291,12 +290,7 @@ mod tests {
         p.mark_evictable(c);
     }
 
-    fn evict(
-        p: &mut LruPolicy,
-        n: usize,
-        keys: &[KeySlot],
-        prot: &[ChunkId],
-    ) -> Option<Vec<ChunkId>> {
+    fn evict(p: &mut LruPolicy, n: usize, keys: &Slots, prot: &[ChunkId]) -> Option<Vec<ChunkId>> {
         let mut out = Vec::new();
         p.evict(n, &|c| prot.contains(&c), keys, &mut out)
             .then_some(out)
@@ -316,7 +310,7 @@ mod tests {
             chunk: Some(c),
             position: None,
         };
-        p.touch(&[acc(0), acc(1)], &RefCountTable::new(3));
+        p.touch(&[acc(0), acc(1)], &Slots::new(3).unwrap());
         // touch gives 1 then 0 fresh ranks: 0 is most recent.
         assert_eq!(evict(&mut p, 3, &ks, &[]), Some(vec![2, 1, 0]));
     }
@@ -336,7 +330,7 @@ mod tests {
 
     #[test]
     fn equal_ranks_leave_in_key_order_and_protection_holds() {
-        let ks: Vec<KeySlot> = [&b"b"[..], b"a", b"c"].iter().map(|k| slot(k)).collect();
+        let ks = keys_of(&[b"b", b"a", b"c"]);
         let mut p = LruPolicy::new(3);
         let mut r = None;
         for c in 0..3 {
@@ -369,9 +363,9 @@ mod tests {
         };
         assert_eq!(next_rank, 2);
         p.validate(&[true], &{
-            let mut t = RefCountTable::new(2);
+            let mut t = Slots::new(2).unwrap();
             t.grow(1);
-            t.insert_pending(0);
+            crate::key::test_util::pend(&mut t, 0);
             t.complete_store(0);
             t
         })

@@ -26,9 +26,9 @@ pub use slru::SlruPolicy;
 pub use twoq::TwoQPolicy;
 
 use crate::error::Result;
-use crate::key::{KeyBuf, KeySlot};
+use crate::key::KeyBuf;
 use crate::pool::ChunkId;
-use crate::refcount::RefCountTable;
+use crate::table::Slots;
 
 /// One key of a call, resolved against the cache.
 #[derive(Debug, Clone, Copy)]
@@ -119,7 +119,7 @@ pub trait CachePolicy: Send {
     /// Forget a pending chunk whose store failed (no ghost entry).
     fn remove(&mut self, chunk: ChunkId);
     /// Mark keys as recently used; `refs` tells pending from readable chunks (default: a hit).
-    fn touch(&mut self, keys: &[Access<'_>], _refs: &RefCountTable) {
+    fn touch(&mut self, keys: &[Access<'_>], _refs: &Slots) {
         self.hit(keys);
     }
     /// Keys about to be stored that the request had not reported as misses before (default:
@@ -140,7 +140,7 @@ pub trait CachePolicy: Send {
         &mut self,
         n: usize,
         protected: &dyn Fn(ChunkId) -> bool,
-        keys: &[KeySlot],
+        keys: &Slots,
         out: &mut Vec<ChunkId>,
     ) -> bool;
     /// Forget everything (chunks, order, ghosts, adaptive state).
@@ -152,7 +152,7 @@ pub trait CachePolicy: Send {
     /// Snapshot of the policy's order.
     fn state(&self) -> PolicyState;
     /// Check the policy's structures against the resident chunks and their ref counts.
-    fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()>;
+    fn validate(&self, resident: &[bool], refs: &Slots) -> Result<()>;
     /// Start loading the policy's data of `chunk` into the cache (a batch about to use it);
     /// changes nothing. `chunk` may be any id, even one never inserted.
     fn prefetch(&self, _chunk: ChunkId) {}

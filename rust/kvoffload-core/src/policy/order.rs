@@ -95,10 +95,10 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
     pub(crate) fn prefetch(&self, c: ChunkId) {
         let i = c as usize;
         if i < self.place.len() {
-            crate::index::prefetch(&self.place[i]);
-            crate::index::prefetch(&self.key[i]);
-            crate::index::prefetch(&self.next[i]);
-            crate::index::prefetch(&self.prev[i]);
+            crate::mem::prefetch(&self.place[i]);
+            crate::mem::prefetch(&self.key[i]);
+            crate::mem::prefetch(&self.next[i]);
+            crate::mem::prefetch(&self.prev[i]);
         }
     }
 
@@ -108,10 +108,10 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
         if i < self.place.len() && matches!(self.place[i], Place::List | Place::ListHeld) {
             let (p, n) = (self.prev[i], self.next[i]);
             if p != NIL {
-                crate::index::prefetch(&self.next[p as usize]);
+                crate::mem::prefetch(&self.next[p as usize]);
             }
             if n != NIL {
-                crate::index::prefetch(&self.prev[n as usize]);
+                crate::mem::prefetch(&self.prev[n as usize]);
             }
         }
     }

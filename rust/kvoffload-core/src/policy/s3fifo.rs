@@ -21,9 +21,9 @@
 use super::queues::Queues;
 use super::{Access, CachePolicy, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
-use crate::key::{KeyBuf, KeyHasher, KeySlot};
+use crate::key::{KeyBuf, KeyHasher};
 use crate::pool::ChunkId;
-use crate::refcount::RefCountTable;
+use crate::table::Slots;
 use hashlink::linked_hash_map::RawEntryMut;
 use hashlink::LinkedHashMap;
 
@@ -60,11 +60,11 @@ impl S3FifoPolicy {
     }
 
     /// Evict `c` (linked, ready); an S victim's key becomes a ghost.
-    fn drop_victim(&mut self, c: ChunkId, keys: &[KeySlot], out: &mut Vec<ChunkId>) {
+    fn drop_victim(&mut self, c: ChunkId, keys: &Slots, out: &mut Vec<ChunkId>) {
         let from_small = self.queues.queue_of(c) == Some(SMALL);
         self.queues.remove(c);
         if from_small && self.main_cap > 0 {
-            self.ghosts.insert(keys[c as usize].key.clone(), ());
+            self.ghosts.insert(keys.key(c), ());
             while self.ghosts.len() > self.main_cap {
                 self.ghosts.pop_front();
             }
@@ -76,7 +76,7 @@ impl S3FifoPolicy {
     fn evict_main(
         &mut self,
         protected: &dyn Fn(ChunkId) -> bool,
-        keys: &[KeySlot],
+        keys: &Slots,
         out: &mut Vec<ChunkId>,
     ) -> bool {
         while let Some(c) = self.queues.first_candidate(MAIN, protected) {
@@ -97,7 +97,7 @@ impl S3FifoPolicy {
     fn evict_small(
         &mut self,
         protected: &dyn Fn(ChunkId) -> bool,
-        keys: &[KeySlot],
+        keys: &Slots,
         out: &mut Vec<ChunkId>,
         target: usize,
     ) -> bool {
@@ -165,7 +165,7 @@ impl CachePolicy for S3FifoPolicy {
         &mut self,
         n: usize,
         protected: &dyn Fn(ChunkId) -> bool,
-        keys: &[KeySlot],
+        keys: &Slots,
         out: &mut Vec<ChunkId>,
     ) -> bool {
         let start = out.len();
@@ -204,7 +204,7 @@ impl CachePolicy for S3FifoPolicy {
 
     fn prefetch(&self, chunk: ChunkId) {
         if let Some(x) = self.freq.get(chunk as usize) {
-            crate::index::prefetch(x);
+            crate::mem::prefetch(x);
         }
     }
 
@@ -223,7 +223,7 @@ impl CachePolicy for S3FifoPolicy {
         }
     }
 
-    fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()> {
+    fn validate(&self, resident: &[bool], refs: &Slots) -> Result<()> {
         self.queues.validate(resident, |c| refs.raw(c) == 0)?;
         ensure!(
             self.freq.iter().all(|&f| f <= MAX_FREQ),
@@ -240,9 +240,9 @@ impl CachePolicy for S3FifoPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::key::test_util::keys;
+    use crate::key::test_util::{keys, TestKeys};
 
-    fn acc(c: ChunkId, ks: &[KeySlot]) -> Access<'_> {
+    fn acc(c: ChunkId, ks: &TestKeys) -> Access<'_> {
         let s = &ks[c as usize];
         Access {
             key: &s.key,
@@ -252,7 +252,7 @@ mod tests {
         }
     }
 
-    fn add(p: &mut S3FifoPolicy, c: ChunkId, ks: &[KeySlot]) {
+    fn add(p: &mut S3FifoPolicy, c: ChunkId, ks: &TestKeys) {
         p.insert(
             c,
             Access {
@@ -264,7 +264,7 @@ mod tests {
         p.mark_evictable(c);
     }
 
-    fn evict(p: &mut S3FifoPolicy, n: usize, ks: &[KeySlot]) -> Vec<ChunkId> {
+    fn evict(p: &mut S3FifoPolicy, n: usize, ks: &TestKeys) -> Vec<ChunkId> {
         let mut out = Vec::new();
         assert!(p.evict(n, &|_| false, ks, &mut out));
         out
@@ -278,7 +278,7 @@ mod tests {
         for c in 0..10 {
             add(&mut p, c, &ks);
         }
-        let refs = RefCountTable::new(12);
+        let refs = Slots::new(12).unwrap();
         p.touch(&[acc(0, &ks), acc(0, &ks), acc(1, &ks)], &refs);
         // 0 (frequency 2) moves to M; 1 (frequency 1) is evicted from S and becomes a ghost.
         assert_eq!(evict(&mut p, 2, &ks), vec![1, 2]);
@@ -294,10 +294,10 @@ mod tests {
         };
         assert_eq!((linked[1].last(), ghosts.len()), (Some(&(1, 0)), 1));
         let resident: Vec<bool> = (0..12).map(|i| i != 2 && i < 10).collect();
-        let mut refs = RefCountTable::new(12);
+        let mut refs = Slots::new(12).unwrap();
         refs.grow(12);
         for c in (0..10).filter(|&c| c != 2) {
-            refs.insert_pending(c);
+            crate::key::test_util::pend(&mut refs, c);
             refs.complete_store(c);
         }
         p.validate(&resident, &refs).unwrap();

@@ -19,9 +19,8 @@
 
 use super::{Access, CachePolicy, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
-use crate::key::KeySlot;
 use crate::pool::ChunkId;
-use crate::refcount::RefCountTable;
+use crate::table::Slots;
 
 const NIL: u32 = u32::MAX;
 
@@ -160,7 +159,7 @@ impl CachePolicy for SievePolicy {
         &mut self,
         n: usize,
         protected: &dyn Fn(ChunkId) -> bool,
-        _keys: &[KeySlot],
+        _keys: &Slots,
         out: &mut Vec<ChunkId>,
     ) -> bool {
         let start = out.len();
@@ -239,7 +238,7 @@ impl CachePolicy for SievePolicy {
 
     fn prefetch(&self, chunk: ChunkId) {
         if let Some(x) = self.place.get(chunk as usize) {
-            crate::index::prefetch(x);
+            crate::mem::prefetch(x);
         }
     }
 
@@ -260,7 +259,7 @@ impl CachePolicy for SievePolicy {
         }
     }
 
-    fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()> {
+    fn validate(&self, resident: &[bool], refs: &Slots) -> Result<()> {
         ensure!(
             resident.len() == self.place.len(),
             "sieve: per-chunk arrays differ in length"
@@ -306,7 +305,7 @@ impl CachePolicy for SievePolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::key::test_util::keys;
+    use crate::key::test_util::{keys, TestKeys};
 
     fn acc(c: ChunkId) -> Access<'static> {
         Access {
@@ -328,7 +327,7 @@ mod tests {
         p
     }
 
-    fn evict(p: &mut SievePolicy, n: usize, ks: &[KeySlot]) -> Vec<ChunkId> {
+    fn evict(p: &mut SievePolicy, n: usize, ks: &TestKeys) -> Vec<ChunkId> {
         let mut out = Vec::new();
         assert!(p.evict(n, &|_| false, ks, &mut out));
         out
@@ -338,7 +337,7 @@ mod tests {
     fn visited_entries_survive_one_pass_and_the_hand_stays() {
         let ks = keys(5);
         let mut p = filled(5);
-        p.touch(&[acc(0), acc(2)], &RefCountTable::new(5));
+        p.touch(&[acc(0), acc(2)], &Slots::new(5).unwrap());
         // The hand clears 0, evicts 1, clears 2, evicts 3; it then points at 4.
         assert_eq!(evict(&mut p, 2, &ks), vec![1, 3]);
         let PolicyState::Queue { hand, queue, .. } = p.state() else {

@@ -17,9 +17,8 @@
 use super::queues::Queues;
 use super::{Access, CachePolicy, PolicyState, RequestRank};
 use crate::error::Result;
-use crate::key::KeySlot;
 use crate::pool::ChunkId;
-use crate::refcount::RefCountTable;
+use crate::table::Slots;
 
 /// Segment indices.
 const PROBATION: usize = 0;
@@ -77,7 +76,7 @@ impl CachePolicy for SlruPolicy {
         &mut self,
         n: usize,
         protected: &dyn Fn(ChunkId) -> bool,
-        _keys: &[KeySlot],
+        _keys: &Slots,
         out: &mut Vec<ChunkId>,
     ) -> bool {
         for _ in 0..n {
@@ -123,7 +122,7 @@ impl CachePolicy for SlruPolicy {
         }
     }
 
-    fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()> {
+    fn validate(&self, resident: &[bool], refs: &Slots) -> Result<()> {
         self.queues.validate(resident, |c| refs.raw(c) == 0)
     }
 }

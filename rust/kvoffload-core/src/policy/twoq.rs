@@ -16,9 +16,9 @@
 use super::queues::Queues;
 use super::{Access, CachePolicy, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
-use crate::key::{KeyBuf, KeyHasher, KeySlot};
+use crate::key::{KeyBuf, KeyHasher};
 use crate::pool::ChunkId;
-use crate::refcount::RefCountTable;
+use crate::table::Slots;
 use hashlink::linked_hash_map::RawEntryMut;
 use hashlink::LinkedHashMap;
 
@@ -88,7 +88,7 @@ impl CachePolicy for TwoQPolicy {
         &mut self,
         n: usize,
         protected: &dyn Fn(ChunkId) -> bool,
-        keys: &[KeySlot],
+        keys: &Slots,
         out: &mut Vec<ChunkId>,
     ) -> bool {
         for _ in 0..n {
@@ -107,7 +107,7 @@ impl CachePolicy for TwoQPolicy {
             };
             self.queues.remove(c);
             if q == A1IN {
-                self.ghosts.insert(keys[c as usize].key.clone(), ());
+                self.ghosts.insert(keys.key(c), ());
                 while self.ghosts.len() > self.kout {
                     self.ghosts.pop_front();
                 }
@@ -139,7 +139,7 @@ impl CachePolicy for TwoQPolicy {
         }
     }
 
-    fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()> {
+    fn validate(&self, resident: &[bool], refs: &Slots) -> Result<()> {
         self.queues.validate(resident, |c| refs.raw(c) == 0)?;
         ensure!(self.ghosts.len() <= self.kout, "2q: A1out over its bound");
         Ok(())

@@ -156,7 +156,7 @@ impl Twin {
         };
         let by_chunk = |v: &[ChunkId]| -> Vec<u32> {
             v.iter()
-                .map(|&c| name(self.mgr.key_of(c).unwrap()))
+                .map(|&c| name(&self.mgr.key_of(c).unwrap()))
                 .collect()
         };
         let Policy::Arc {

@@ -15,9 +15,8 @@
 //! kept and [`CachePolicy::failed`] tells the core, which undoes its call where it can (see
 //! `Manager::with_policy`); the binding then re-raises the exception unchanged.
 
-use kvoffload_core::key::KeySlot;
 use kvoffload_core::policy::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
-use kvoffload_core::{group_of, ChunkId, CoreError, RefCountTable, Result};
+use kvoffload_core::{group_of, ChunkId, CoreError, Result, Slots};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PySet, PyString, PyTuple};
@@ -151,7 +150,7 @@ impl PythonPolicy {
     fn victims(
         py: Python<'_>,
         answer: &Bound<'_, PyAny>,
-        slots: &[KeySlot],
+        slots: &Slots,
         out: &mut Vec<ChunkId>,
     ) -> PyResult<()> {
         let bad = |msg: String| crate::errors::raise(py, "PolicyError", msg);
@@ -185,11 +184,11 @@ impl PythonPolicy {
                 .getattr(intern!(py, "chunk_id"))
                 .and_then(|c| c.extract())
                 .map_err(|_| bad(format!("evict returned {key:?} with no int chunk_id")))?;
-            let slot = usize::try_from(chunk).ok().and_then(|c| slots.get(c));
-            match slot {
-                Some(s) if s.resident && s.key.as_slice() == key.as_bytes() => {
-                    out.push(chunk as ChunkId);
-                }
+            let held = u32::try_from(chunk)
+                .ok()
+                .filter(|&c| (c as usize) < slots.capacity() && slots.resident(c));
+            match held {
+                Some(c) if slots.key(c).as_slice() == key.as_bytes() => out.push(c),
                 _ => {
                     return Err(bad(format!(
                         "evict returned {key:?} with chunk {chunk}, which does not hold that key"
@@ -234,7 +233,7 @@ impl CachePolicy for PythonPolicy {
         }
     }
 
-    fn touch(&mut self, keys: &[Access<'_>], _refs: &RefCountTable) {
+    fn touch(&mut self, keys: &[Access<'_>], _refs: &Slots) {
         Python::attach(|py| self.call_with_keys(intern!(py, "touch"), keys));
     }
 
@@ -289,7 +288,7 @@ impl CachePolicy for PythonPolicy {
         &mut self,
         n: usize,
         _protected: &dyn Fn(ChunkId) -> bool,
-        keys: &[KeySlot],
+        keys: &Slots,
         out: &mut Vec<ChunkId>,
     ) -> bool {
         Python::attach(|py| {
@@ -338,7 +337,7 @@ impl CachePolicy for PythonPolicy {
     }
 
     /// Every resident chunk, and only those, has a record whose `chunk_id` and `ref_cnt` match.
-    fn validate(&self, resident: &[bool], refs: &RefCountTable) -> Result<()> {
+    fn validate(&self, resident: &[bool], refs: &Slots) -> Result<()> {
         Python::attach(|py| {
             for (c, rec) in self.records.iter().enumerate() {
                 let is_resident = resident.get(c).copied().unwrap_or(false);

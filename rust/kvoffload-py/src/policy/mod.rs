@@ -20,9 +20,8 @@ pub(crate) mod state;
 use crate::errors::{poisoned, raise, to_py};
 use crate::keys::{one_key, Context, Keys};
 use crate::request::PolicyRequestRank;
-use hashbrown::HashTable;
 use kvoffload_core::policy::{Access, FinishedKey, RequestRank};
-use kvoffload_core::{hash_key, ChunkId, ChunkState, PolicyKind, RefCountTable};
+use kvoffload_core::{hash_key, ChunkId, ChunkState, PolicyKind, Slots};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};
@@ -115,13 +114,18 @@ impl PolicyCore {
         };
         let (name, reads_positions, policy) =
             (kind.name(), kind.reads_positions(), kind.build(capacity));
+        let slots = Slots::new(capacity).ok_or_else(|| {
+            raise(
+                py,
+                "InvalidArgumentError",
+                format!("cannot map the tables of {capacity} slots"),
+            )
+        })?;
         Ok(Self {
             inner: Mutex::new(Inner {
                 policy,
-                refs: RefCountTable::new(capacity),
-                slots: Vec::new(),
+                slots,
                 objs: Vec::new(),
-                index: HashTable::new(),
                 free: Vec::new(),
                 generation: 0,
             }),
@@ -175,12 +179,18 @@ impl PolicyCore {
                 ));
             }
             let objs = (key_obj.clone().unbind(), chunk.clone().unbind());
-            let c = m.occupy(bytes, hash, objs);
+            let Some(c) = m.occupy(bytes, hash, objs) else {
+                let capacity = m.slots.capacity();
+                drop(m);
+                return Err(key_state_error(
+                    py,
+                    format!("cannot insert {key_obj:?}: all {capacity} slots hold keys"),
+                ));
+            };
             let before = stored
                 .as_ref()
                 .and_then(|(_, s)| m.current_rank(self.owner, *s));
             let mut rank = before;
-            m.refs.insert_pending(c);
             let access = Access {
                 key: bytes,
                 hash,
@@ -189,11 +199,11 @@ impl PolicyCore {
             };
             m.policy.insert(c, access, &mut rank);
             if ref_cnt >= 0 {
-                m.refs.complete_store(c);
+                m.slots.complete_store(c);
                 if ref_cnt == 0 {
                     m.policy.mark_evictable(c);
                 } else {
-                    m.refs.pin(c);
+                    m.slots.pin(c);
                 }
             }
             (before, rank, m.generation)
@@ -212,7 +222,7 @@ impl PolicyCore {
             let Some(c) = m.find(key, hash_key(key)) else {
                 return Ok(());
             };
-            if m.refs.state(c) != ChunkState::Pending {
+            if m.slots.state(c) != ChunkState::Pending {
                 drop(m);
                 return Err(key_state_error(
                     py,
@@ -220,7 +230,6 @@ impl PolicyCore {
                 ));
             }
             m.policy.remove(c);
-            m.refs.remove(c);
             m.vacate(c)
         };
         drop(released);
@@ -240,7 +249,7 @@ impl PolicyCore {
         let mut m = self.lock(py)?;
         let access: Vec<Access<'_>> = slices.iter().map(|k| m.access(k, None)).collect();
         let inner = &mut *m;
-        inner.policy.touch(&access, &inner.refs);
+        inner.policy.touch(&access, &inner.slots);
         Ok(())
     }
 
@@ -260,7 +269,7 @@ impl PolicyCore {
             // vLLM's LRU keeps CachePolicy's default: a store miss is a touch. (Its manager only
             // reports absent keys, for which a touch changes nothing; the core LRU relies on that.)
             let inner = &mut *m;
-            inner.policy.touch(&access, &inner.refs);
+            inner.policy.touch(&access, &inner.slots);
         } else {
             m.policy.on_store_miss(&access);
         }
@@ -389,8 +398,8 @@ impl PolicyCore {
             shielded.dedup();
             // The same feasibility rule as kvoffload's manager (vLLM's checks only the evictable
             // count, and kvoffload's policies assume a feasible request).
-            let shielded_ready = shielded.iter().filter(|&&c| m.refs.raw(c) == 0).count();
-            if !m.refs.can_evict(n, shielded_ready) {
+            let shielded_ready = shielded.iter().filter(|&&c| m.slots.raw(c) == 0).count();
+            if !m.slots.can_evict(n, shielded_ready) {
                 return Ok(None);
             }
             let is_protected = |c: ChunkId| shielded.binary_search(&c).is_ok();
@@ -402,13 +411,7 @@ impl PolicyCore {
             {
                 return Ok(None);
             }
-            victims
-                .iter()
-                .map(|&c| {
-                    m.refs.remove(c);
-                    m.vacate(c)
-                })
-                .collect::<Vec<_>>()
+            victims.iter().map(|&c| m.vacate(c)).collect::<Vec<_>>()
         };
         let out = PyList::empty(py);
         for (key, chunk) in released.into_iter().flatten() {
@@ -422,10 +425,8 @@ impl PolicyCore {
         let released = {
             let mut m = self.lock(py)?;
             m.policy.clear();
-            m.refs.clear();
-            m.index.clear();
-            m.free.clear();
             m.slots.clear();
+            m.free.clear();
             m.generation += 1;
             std::mem::take(&mut m.objs)
         };
@@ -444,9 +445,9 @@ impl PolicyCore {
                 "mark_evictable of an absent key".into(),
             ));
         };
-        let changed = match m.refs.state(c) {
-            ChunkState::Pending => m.refs.complete_store(c),
-            ChunkState::Ready(n) if n > 0 => m.refs.unpin(c),
+        let changed = match m.slots.state(c) {
+            ChunkState::Pending => m.slots.complete_store(c),
+            ChunkState::Ready(n) if n > 0 => m.slots.unpin_all(&[c]).is_ok_and(|z| z[0]),
             _ => false,
         };
         if !changed {
@@ -463,7 +464,7 @@ impl PolicyCore {
         let mut m = self.lock(py)?;
         let c = m
             .find(key, hash_key(key))
-            .filter(|&c| m.refs.state(c) == ChunkState::Ready(0));
+            .filter(|&c| m.slots.state(c) == ChunkState::Ready(0));
         let Some(c) = c else {
             drop(m);
             return Err(key_state_error(
@@ -471,7 +472,7 @@ impl PolicyCore {
                 "mark_non_evictable of a key that is not evictable".into(),
             ));
         };
-        m.refs.pin(c);
+        m.slots.pin(c);
         m.policy.mark_non_evictable(c);
         Ok(())
     }
@@ -481,7 +482,7 @@ impl PolicyCore {
         let (state, keys) = {
             let m = self.lock(py)?;
             let state = m.policy.state();
-            let keys = state_keys(&state, |c| m.slots[c as usize].key.to_vec());
+            let keys = state_keys(&state, |c| m.slots.key(c).to_vec());
             (state, keys)
         };
         state_dict(py, self.name, state, &keys)
@@ -489,15 +490,17 @@ impl PolicyCore {
 
     /// Number of resident keys.
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.lock(py)?.index.len())
+        Ok(self.lock(py)?.slots.len())
     }
 
     /// Raise `InvariantViolation` if the policy's structures disagree with the slots.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         let result = {
             let m = self.lock(py)?;
-            let resident: Vec<bool> = m.slots.iter().map(|s| s.resident).collect();
-            m.policy.validate(&resident, &m.refs)
+            let resident: Vec<bool> = (0..m.slots.used() as ChunkId)
+                .map(|c| m.slots.resident(c))
+                .collect();
+            m.policy.validate(&resident, &m.slots)
         };
         result.map_err(|e| to_py(py, e))
     }

@@ -1,0 +1,192 @@
+//! Memory helpers: the atomics the shared tables use (loom's under `--cfg loom`), cache
+//! prefetch hints, and large zero-filled arrays whose pages are mapped only when first touched.
+
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+/// Back off before retrying an optimistic read that a writer disturbed (under loom: let the
+/// model schedule the writer).
+#[inline]
+pub(crate) fn backoff() {
+    #[cfg(loom)]
+    loom::thread::yield_now();
+    #[cfg(not(loom))]
+    std::hint::spin_loop();
+}
+
+/// Hint the CPU to bring the cache line holding `x` in; changes nothing.
+#[inline]
+pub fn prefetch<T>(x: &T) {
+    prefetch_addr(std::ptr::from_ref(x).cast());
+}
+
+/// Hint the CPU to bring the cache line of address `p` in. Any address is fine: a prefetch
+/// never faults and never reads memory into the program, so `p` need not be valid.
+#[inline]
+pub fn prefetch_addr(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: a prefetch only hints the cache: it never faults, whatever the address, and
+        // SSE (which provides the instruction) is part of the x86_64 baseline.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// A type whose all-zero bytes are a valid value (the atomics and structs of them).
+///
+/// # Safety
+/// Implementors guarantee that a value made of zero bytes is valid, and that the type needs no
+/// drop.
+pub(crate) unsafe trait Zeroable: Sized {
+    /// The all-zero value (used where arrays are built element by element, under loom).
+    fn zero() -> Self;
+}
+
+// SAFETY: `AtomicU32`/`AtomicU64` have the layout of `u32`/`u64` (std documents it), for which
+// zero is valid, and they have no drop.
+#[cfg(not(loom))]
+unsafe impl Zeroable for AtomicU32 {
+    fn zero() -> Self {
+        Self::new(0)
+    }
+}
+// SAFETY: as above.
+#[cfg(not(loom))]
+unsafe impl Zeroable for AtomicU64 {
+    fn zero() -> Self {
+        Self::new(0)
+    }
+}
+// SAFETY: under loom arrays are built with `zero()` (never from zero bytes); loom's atomics
+// need no drop of ours.
+#[cfg(loom)]
+unsafe impl Zeroable for AtomicU32 {
+    fn zero() -> Self {
+        Self::new(0)
+    }
+}
+// SAFETY: as above.
+#[cfg(loom)]
+unsafe impl Zeroable for AtomicU64 {
+    fn zero() -> Self {
+        Self::new(0)
+    }
+}
+
+/// `len` zero values of `T`. Large arrays are anonymous mappings: their pages are the kernel's
+/// shared zero page until written, so an array sized for a pool of 10^7 chunks costs memory
+/// only for the chunks used.
+pub(crate) struct ZeroArray<T: Zeroable> {
+    #[cfg(not(loom))]
+    ptr: std::ptr::NonNull<T>,
+    #[cfg(not(loom))]
+    len: usize,
+    #[cfg(not(loom))]
+    mapped: usize,
+    #[cfg(loom)]
+    items: Vec<T>,
+}
+
+// SAFETY: a `ZeroArray<T>` owns its `T`s as a `Box<[T]>` would; sending or sharing it is
+// sending or sharing them.
+unsafe impl<T: Zeroable + Send> Send for ZeroArray<T> {}
+// SAFETY: as above.
+unsafe impl<T: Zeroable + Sync> Sync for ZeroArray<T> {}
+
+impl<T: Zeroable> ZeroArray<T> {
+    /// `len` zeros; `None` if the memory cannot be had.
+    #[cfg(not(loom))]
+    pub(crate) fn new(len: usize) -> Option<Self> {
+        let bytes = len.checked_mul(std::mem::size_of::<T>())?;
+        if bytes == 0 {
+            return Some(Self {
+                ptr: std::ptr::NonNull::dangling(),
+                len,
+                mapped: 0,
+            });
+        }
+        // SAFETY: a fresh private anonymous mapping; no existing memory is touched. Its
+        // address is page-aligned, which satisfies `T`'s alignment (at most 64 here).
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return None;
+        }
+        debug_assert!(std::mem::align_of::<T>() <= 4096);
+        Some(Self {
+            ptr: std::ptr::NonNull::new(p.cast())?,
+            len,
+            mapped: bytes,
+        })
+    }
+
+    /// `len` zeros, made one by one (loom's atomics are not plain memory).
+    #[cfg(loom)]
+    pub(crate) fn new(len: usize) -> Option<Self> {
+        Some(Self {
+            items: (0..len).map(|_| T::zero()).collect(),
+        })
+    }
+}
+
+impl<T: Zeroable> std::ops::Deref for ZeroArray<T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        #[cfg(not(loom))]
+        {
+            // SAFETY: `ptr` points at `len` values of `T` (zero bytes, valid by `Zeroable`) in
+            // a mapping this array owns until it drops; a zero `len` takes a dangling pointer,
+            // which is valid for an empty slice.
+            unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        }
+        #[cfg(loom)]
+        {
+            &self.items
+        }
+    }
+}
+
+#[cfg(not(loom))]
+impl<T: Zeroable> Drop for ZeroArray<T> {
+    fn drop(&mut self) {
+        if self.mapped > 0 {
+            // SAFETY: the mapping was made by `new` with this length and is unmapped once;
+            // `T` needs no drop (`Zeroable`), and no reference into it outlives `self`.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.mapped) };
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_arrays_read_zero_and_take_writes() {
+        let a: ZeroArray<AtomicU64> = ZeroArray::new(1 << 20).unwrap();
+        assert_eq!(a.len(), 1 << 20);
+        assert!(a
+            .iter()
+            .step_by(4096)
+            .all(|x| x.load(Ordering::Relaxed) == 0));
+        a[12345].store(7, Ordering::Relaxed);
+        assert_eq!(a[12345].load(Ordering::Relaxed), 7);
+        let empty: ZeroArray<AtomicU32> = ZeroArray::new(0).unwrap();
+        assert!(empty.is_empty());
+        assert!(ZeroArray::<AtomicU64>::new(usize::MAX).is_none());
+    }
+}

@@ -1,0 +1,1137 @@
+//! `ChunkTable` and `Slots`: each chunk slot's key, hash and ref count, and the key -> chunk
+//! index, laid out so that lookups and load completions take no lock.
+//!
+//! # Layout
+//! - One 64-byte line per slot: a state word (a 32-bit sequence number above a 32-bit state
+//!   code), the key's hash, the link to the next slot of the key's hash chain, the key length
+//!   and the key's first [`INLINE_KEY`] bytes (longer keys keep the rest with the writer).
+//! - One head per bucket: the first slot of the bucket's chain. Chains run through slot ids: a
+//!   resident key occupies exactly one slot, so the index needs no nodes of its own and never
+//!   grows (buckets: the next power of two at or above the pool size).
+//! - A stack of slots whose last pin a lock-free completion released (see below).
+//!
+//! Arrays are zero-filled anonymous mappings: a pool of 10^7 chunks costs memory only for the
+//! slots it uses.
+//!
+//! # Who may do what
+//! [`ChunkTable`] is shared (`Arc`) and all atomics, so no access is ever a data race.
+//! - **One writer** at a time, the owner of the [`Slots`] (the manager, under its lock): keys
+//!   come and go, chunks are pinned, stores complete, and the queued releases are applied.
+//! - **Readers**, any number, any thread, lock-free: [`ChunkTable::probe`] and
+//!   [`ChunkTable::lookup_prefix`]. A reader walks a chain reading each slot between two loads
+//!   of its sequence number (the seqlock pattern, with atomic loads); if a writer changed the
+//!   slot in between, or the slot left the bucket, the reader starts again. A writer changes a
+//!   slot's sequence number whenever the slot's key changes (odd while it rewrites the key), so
+//!   an answer is always one the table held at some instant during the call.
+//! - **Releasers**, any thread, lock-free: [`ChunkTable::release`] drops one pin per key by
+//!   compare-and-swap on the state word. The sequence number in the word makes the swap fail if
+//!   the slot changed key in between (no ABA). A slot whose last pin goes is left RELEASING:
+//!   readable, and still held as far as the policy and the counters know, and is queued on a
+//!   Treiber stack. The writer applies the queue ([`Slots::drain_releases`]) before anything
+//!   else in its next call, in release order, telling the policy then: one thread calling sees
+//!   exactly the state and policy order of an immediate update. A release that cannot complete
+//!   (a key not pinned, a long key, a conflict with another release) undoes the pins it took
+//!   and answers [`Release::Unsure`]: the caller repeats it under the lock, where the exact
+//!   error is made.
+//!
+//! Sequence numbers are 32 bits: a reader stalled across 2^31 key changes of one slot could be
+//! fooled, which no real schedule comes near.
+
+use crate::error::{ensure, Result};
+use crate::key::{hash_key, KeyBuf, KeyHasher};
+use crate::mem::{backoff, fence, prefetch, AtomicU32, AtomicU64, Ordering, ZeroArray, Zeroable};
+use crate::pool::ChunkId;
+use hashbrown::HashMap;
+use smallvec::SmallVec;
+use std::sync::Arc;
+
+/// The state of one slot, as the manager and the policy see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkState {
+    /// No key lives in the slot.
+    Absent,
+    /// A store is in flight; the data is not readable.
+    Pending,
+    /// Readable; `0` means evictable, `n > 0` means pinned by `n` loads.
+    Ready(u32),
+}
+
+/// Key bytes a slot holds inline; the rest of a longer key stays with the writer's [`Slots`].
+pub const INLINE_KEY: usize = 40;
+const WORDS: usize = INLINE_KEY / 8;
+
+/// State codes (the low 32 bits of a state word).
+const ABSENT: u32 = 0;
+const PENDING: u32 = 1;
+/// The last pin was dropped by a release still in progress (it may yet be undone).
+const TENTATIVE: u32 = 2;
+/// The last pin was dropped by a finished release that the writer has not yet applied.
+const RELEASING: u32 = 3;
+/// Ready with no pin; `READY + n` is ready with `n` pins.
+const READY: u32 = 4;
+/// Most pins a slot can hold (vLLM's ref counts are Python ints; ours stop at 2^31 - 1).
+const MAX_PINS: u32 = i32::MAX as u32;
+
+/// Release-stack links: not queued, claimed by a pusher, and the end of the stack.
+const UNQUEUED: u32 = 0;
+const CLAIMED: u32 = u32::MAX - 1;
+const END: u32 = u32::MAX;
+
+fn word(seq: u32, code: u32) -> u64 {
+    (u64::from(seq) << 32) | u64::from(code)
+}
+
+fn seq_of(w: u64) -> u32 {
+    (w >> 32) as u32
+}
+
+fn code_of(w: u64) -> u32 {
+    w as u32
+}
+
+/// Real pins of a code (none for absent, pending, tentative and releasing slots).
+fn pins_of(code: u32) -> u32 {
+    code.saturating_sub(READY)
+}
+
+/// The key's bytes as the words a slot stores (zero past the end). Whole words are read as
+/// such and the tail byte by byte: no call to `memcpy` on the lookup path.
+#[inline]
+fn key_words(key: &[u8]) -> [u64; WORDS] {
+    let mut w = [0u64; WORDS];
+    let inline = &key[..key.len().min(INLINE_KEY)];
+    let mut whole = inline.chunks_exact(8);
+    for (x, c) in w.iter_mut().zip(&mut whole) {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(c);
+        *x = u64::from_le_bytes(b);
+    }
+    let tail = whole.remainder();
+    if !tail.is_empty() {
+        w[inline.len() / 8] = tail
+            .iter()
+            .rev()
+            .fold(0u64, |acc, &byte| (acc << 8) | u64::from(byte));
+    }
+    w
+}
+
+/// One slot: see the module docs.
+#[repr(C, align(64))]
+pub(crate) struct Slot {
+    state: AtomicU64,
+    hash: AtomicU64,
+    /// The next slot of the chain, plus one (0: the end).
+    next: AtomicU32,
+    /// The key's length (meaningful while the slot holds a key).
+    len: AtomicU32,
+    words: [AtomicU64; WORDS],
+}
+
+// SAFETY: every field is an atomic integer (or an array of them), valid as zero bytes and
+// without drop; under loom `zero()` builds it field by field.
+unsafe impl Zeroable for Slot {
+    fn zero() -> Self {
+        Self {
+            state: AtomicU64::zero(),
+            hash: AtomicU64::zero(),
+            next: AtomicU32::zero(),
+            len: AtomicU32::zero(),
+            words: std::array::from_fn(|_| AtomicU64::zero()),
+        }
+    }
+}
+
+/// Whether a slot's inline key matches `key`, read with relaxed loads (the caller validates).
+enum Match {
+    No,
+    Yes,
+    /// The inline part matches a key longer than [`INLINE_KEY`]: only the writer can tell.
+    Long,
+}
+
+impl Slot {
+    fn matches(&self, key: &[u8], want: &[u64; WORDS]) -> Match {
+        let len = self.len.load(Ordering::Relaxed) as usize;
+        if len != key.len() {
+            return Match::No;
+        }
+        let n = len.min(INLINE_KEY).div_ceil(8);
+        if self.words[..n]
+            .iter()
+            .zip(want)
+            .any(|(w, &x)| w.load(Ordering::Relaxed) != x)
+        {
+            return Match::No;
+        }
+        if len > INLINE_KEY {
+            Match::Long
+        } else {
+            Match::Yes
+        }
+    }
+}
+
+/// What a lock-free lookup found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probe {
+    /// Absent.
+    Miss,
+    /// A store is in flight.
+    Pending,
+    /// Readable.
+    Ready,
+    /// A key longer than [`INLINE_KEY`] matched inline: ask the writer (under the lock).
+    Unsure,
+}
+
+/// What a lock-free release did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// One pin per key was dropped.
+    Done,
+    /// Nothing changed: repeat the call under the lock (a key not pinned, a long key, or a
+    /// conflict with another release).
+    Unsure,
+}
+
+/// A slot found by a reader: its id and the state word read with it.
+enum Found {
+    Absent,
+    At(ChunkId, u64),
+    Unsure,
+}
+
+/// The shared table; see the module docs.
+pub struct ChunkTable {
+    slots: ZeroArray<Slot>,
+    heads: ZeroArray<AtomicU32>,
+    mask: usize,
+    /// Release-stack link of each slot: [`UNQUEUED`], [`CLAIMED`], [`END`] or the next + 1.
+    links: ZeroArray<AtomicU32>,
+    /// The top of the release stack, plus one (0: empty).
+    top: AtomicU32,
+}
+
+impl ChunkTable {
+    fn new(num_chunks: u32) -> Option<Self> {
+        let n = num_chunks as usize;
+        let buckets = n.max(16).next_power_of_two();
+        Some(Self {
+            slots: ZeroArray::new(n)?,
+            heads: ZeroArray::new(buckets)?,
+            mask: buckets - 1,
+            links: ZeroArray::new(n)?,
+            top: AtomicU32::zero(),
+        })
+    }
+
+    /// Number of slots.
+    #[must_use]
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn bucket(&self, hash: u64) -> usize {
+        (hash as usize) & self.mask
+    }
+
+    /// The slot holding `key` and its state word; lock-free (see the module docs).
+    fn find_word(&self, key: &[u8], hash: u64) -> Found {
+        let want = key_words(key);
+        let b = self.bucket(hash);
+        'restart: loop {
+            let mut link = self.heads[b].load(Ordering::Acquire);
+            // A chain never holds more slots than the table: more steps mean a concurrent
+            // writer moved slots under this reader.
+            let mut steps = 0usize;
+            while link != 0 {
+                steps += 1;
+                let Some(slot) = self.slots.get(link as usize - 1) else {
+                    backoff();
+                    continue 'restart;
+                };
+                if steps > self.slots.len() {
+                    backoff();
+                    continue 'restart;
+                }
+                let w1 = slot.state.load(Ordering::Acquire);
+                if seq_of(w1) & 1 == 1 {
+                    backoff();
+                    continue 'restart;
+                }
+                let h = slot.hash.load(Ordering::Relaxed);
+                let next = slot.next.load(Ordering::Relaxed);
+                let m = if code_of(w1) != ABSENT && h == hash {
+                    slot.matches(key, &want)
+                } else {
+                    Match::No
+                };
+                fence(Ordering::Acquire);
+                let w2 = slot.state.load(Ordering::Relaxed);
+                if seq_of(w2) != seq_of(w1) || self.bucket(h) != b {
+                    backoff();
+                    continue 'restart;
+                }
+                match m {
+                    Match::Yes => return Found::At(link - 1, w2),
+                    Match::Long => return Found::Unsure,
+                    Match::No => link = next,
+                }
+            }
+            return Found::Absent;
+        }
+    }
+
+    /// The state of `key`, lock-free.
+    #[must_use]
+    pub fn probe(&self, key: &[u8], hash: u64) -> Probe {
+        match self.find_word(key, hash) {
+            Found::Absent => Probe::Miss,
+            Found::Unsure => Probe::Unsure,
+            Found::At(_, w) if code_of(w) == PENDING => Probe::Pending,
+            Found::At(_, w) if code_of(w) == ABSENT => Probe::Miss,
+            Found::At(..) => Probe::Ready,
+        }
+    }
+
+    /// The number of leading keys that are readable, lock-free; `None`: a long key needs the
+    /// writer.
+    #[must_use]
+    pub fn lookup_prefix(&self, keys: &[&[u8]]) -> Option<usize> {
+        let mut hits = 0;
+        // Batches of 32: every bucket of a batch is requested before the first is read.
+        for batch in keys.chunks(32) {
+            let hashes: SmallVec<[u64; 32]> = batch.iter().map(|k| hash_key(k)).collect();
+            for &h in &hashes {
+                prefetch(&self.heads[self.bucket(h)]);
+            }
+            for (k, &h) in batch.iter().zip(&hashes) {
+                match self.probe(k, h) {
+                    Probe::Ready => hits += 1,
+                    Probe::Unsure => return None,
+                    Probe::Miss | Probe::Pending => return Some(hits),
+                }
+            }
+        }
+        Some(hits)
+    }
+
+    /// Drop one pin per key (a key listed twice drops two), lock-free; see the module docs.
+    /// Either every pin is dropped ([`Release::Done`]) or none ([`Release::Unsure`]).
+    pub fn release(&self, keys: &[&[u8]]) -> Release {
+        let mut taken: SmallVec<[(ChunkId, bool); 32]> = SmallVec::with_capacity(keys.len());
+        for k in keys {
+            let Found::At(c, mut w) = self.find_word(k, hash_key(k)) else {
+                self.undo_releases(&taken);
+                return Release::Unsure;
+            };
+            let slot = &self.slots[c as usize];
+            let seq = seq_of(w);
+            loop {
+                let n = pins_of(code_of(w));
+                if n == 0 || seq_of(w) != seq {
+                    self.undo_releases(&taken);
+                    return Release::Unsure;
+                }
+                let code = if n == 1 { TENTATIVE } else { READY + n - 1 };
+                match slot.state.compare_exchange(
+                    w,
+                    word(seq, code),
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                ) {
+                    Ok(_) => {
+                        taken.push((c, n == 1));
+                        break;
+                    }
+                    Err(now) => w = now,
+                }
+            }
+        }
+        for &(c, last) in &taken {
+            if last {
+                self.finish_release(c);
+            }
+        }
+        Release::Done
+    }
+
+    /// Give back the pins a failed release took (they are held, so their slots kept their keys).
+    fn undo_releases(&self, taken: &[(ChunkId, bool)]) {
+        for &(c, _) in taken.iter().rev() {
+            let slot = &self.slots[c as usize];
+            let mut w = slot.state.load(Ordering::SeqCst);
+            loop {
+                let code = match code_of(w) {
+                    TENTATIVE => READY + 1,
+                    code => code + 1,
+                };
+                debug_assert!(code_of(w) == TENTATIVE || code_of(w) >= READY);
+                match slot.state.compare_exchange(
+                    w,
+                    word(seq_of(w), code),
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                ) {
+                    Ok(_) => break,
+                    Err(now) => w = now,
+                }
+            }
+        }
+    }
+
+    /// Turn a tentative slot into a releasing one and queue it for the writer (unless the
+    /// writer pinned it again meanwhile, or another release already turned it).
+    fn finish_release(&self, c: ChunkId) {
+        let slot = &self.slots[c as usize];
+        let mut w = slot.state.load(Ordering::SeqCst);
+        while code_of(w) == TENTATIVE {
+            match slot.state.compare_exchange(
+                w,
+                word(seq_of(w), RELEASING),
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            ) {
+                Ok(_) => {
+                    self.push_release(c);
+                    return;
+                }
+                Err(now) => w = now,
+            }
+        }
+    }
+
+    /// Queue slot `c` on the release stack, unless it is queued already.
+    fn push_release(&self, c: ChunkId) {
+        let link = &self.links[c as usize];
+        if link
+            .compare_exchange(UNQUEUED, CLAIMED, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return;
+        }
+        let mut top = self.top.load(Ordering::SeqCst);
+        loop {
+            link.store(if top == 0 { END } else { top }, Ordering::SeqCst);
+            match self
+                .top
+                .compare_exchange(top, c + 1, Ordering::SeqCst, Ordering::SeqCst)
+            {
+                Ok(_) => return,
+                Err(now) => top = now,
+            }
+        }
+    }
+}
+
+/// The writer's side of a [`ChunkTable`]: the only code that changes keys, the counters of
+/// pending and evictable slots, and the tails of long keys. See the module docs.
+pub struct Slots {
+    table: Arc<ChunkTable>,
+    /// Slots `0..used` may hold keys (the pool's high-water mark).
+    used: usize,
+    /// Resident keys.
+    len: usize,
+    num_pending: usize,
+    num_evictable: usize,
+    /// Whole keys longer than [`INLINE_KEY`], by slot.
+    long: HashMap<ChunkId, Box<[u8]>, KeyHasher>,
+}
+
+impl Slots {
+    /// `num_chunks` empty slots; `None` if the memory cannot be mapped.
+    #[must_use]
+    pub fn new(num_chunks: u32) -> Option<Self> {
+        Some(Self {
+            table: Arc::new(ChunkTable::new(num_chunks)?),
+            used: 0,
+            len: 0,
+            num_pending: 0,
+            num_evictable: 0,
+            long: HashMap::default(),
+        })
+    }
+
+    /// The shared table, for lock-free readers and releasers.
+    #[must_use]
+    pub fn shared(&self) -> Arc<ChunkTable> {
+        Arc::clone(&self.table)
+    }
+
+    /// Number of slots.
+    #[must_use]
+    pub fn capacity(&self) -> usize {
+        self.table.capacity()
+    }
+
+    /// Slots `0..n` may now hold keys (`n` at most the capacity).
+    pub fn grow(&mut self, n: usize) {
+        debug_assert!(n <= self.capacity());
+        self.used = self.used.max(n.min(self.capacity()));
+    }
+
+    /// The high-water mark: slots `0..used()` may hold keys.
+    #[must_use]
+    pub fn used(&self) -> usize {
+        self.used
+    }
+
+    /// Resident keys.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no key is resident.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn slot(&self, c: ChunkId) -> &Slot {
+        &self.table.slots[c as usize]
+    }
+
+    fn code(&self, c: ChunkId) -> u32 {
+        self.table
+            .slots
+            .get(c as usize)
+            .map_or(ABSENT, |s| code_of(s.state.load(Ordering::Acquire)))
+    }
+
+    // --- keys ---
+
+    /// The slot holding `key` (hashing to `hash`).
+    #[inline]
+    #[must_use]
+    pub fn find(&self, key: &[u8], hash: u64) -> Option<ChunkId> {
+        let t = &*self.table;
+        let mut link = t.heads[t.bucket(hash)].load(Ordering::Relaxed);
+        while link != 0 {
+            let c = link - 1;
+            let slot = self.slot(c);
+            // Keys are compared only on a hash match (almost always the key itself).
+            if slot.hash.load(Ordering::Relaxed) == hash {
+                match slot.matches(key, &key_words(key)) {
+                    Match::Yes => return Some(c),
+                    Match::Long if self.long.get(&c).is_some_and(|k| **k == *key) => {
+                        return Some(c)
+                    }
+                    _ => {}
+                }
+            }
+            link = slot.next.load(Ordering::Relaxed);
+        }
+        None
+    }
+
+    /// The first slot of `hash`'s chain, without comparing keys: a guess to prefetch.
+    #[inline]
+    #[must_use]
+    pub fn candidate(&self, hash: u64) -> Option<ChunkId> {
+        let t = &*self.table;
+        let link = t.heads[t.bucket(hash)].load(Ordering::Relaxed);
+        (link != 0).then(|| link - 1)
+    }
+
+    /// Start loading the bucket of `hash`; changes nothing.
+    #[inline]
+    pub fn prefetch_bucket(&self, hash: u64) {
+        let t = &*self.table;
+        prefetch(&t.heads[t.bucket(hash)]);
+    }
+
+    /// Start loading slot `c`; changes nothing (any id).
+    #[inline]
+    pub fn prefetch(&self, c: ChunkId) {
+        if let Some(s) = self.table.slots.get(c as usize) {
+            prefetch(s);
+        }
+    }
+
+    /// Whether slot `c` holds a key.
+    #[must_use]
+    pub fn resident(&self, c: ChunkId) -> bool {
+        self.code(c) != ABSENT
+    }
+
+    /// The hash of slot `c`'s key (meaningful while resident).
+    #[must_use]
+    pub fn hash(&self, c: ChunkId) -> u64 {
+        self.slot(c).hash.load(Ordering::Relaxed)
+    }
+
+    /// A copy of slot `c`'s key (meaningful while resident).
+    #[must_use]
+    pub fn key(&self, c: ChunkId) -> KeyBuf {
+        if let Some(k) = self.long.get(&c) {
+            return KeyBuf::from_slice(k);
+        }
+        let slot = self.slot(c);
+        let len = (slot.len.load(Ordering::Relaxed) as usize).min(INLINE_KEY);
+        let mut bytes = [0u8; INLINE_KEY];
+        for (i, w) in slot.words.iter().enumerate().take(len.div_ceil(8)) {
+            bytes[i * 8..i * 8 + 8].copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+        }
+        // `KeyBuf`'s inline buffer is exactly `INLINE_KEY` bytes: no copy beyond this one.
+        KeyBuf::from_buf_and_len(bytes, len)
+    }
+
+    /// Give absent slot `c` the key `key`, pending.
+    pub fn insert(&mut self, c: ChunkId, key: &[u8], hash: u64) {
+        debug_assert!(!self.resident(c));
+        self.grow(c as usize + 1);
+        let t = &*self.table;
+        let slot = &t.slots[c as usize];
+        let seq = seq_of(slot.state.load(Ordering::Relaxed));
+        // Odd while the key is rewritten: readers passing by start again.
+        slot.state.store(word(seq | 1, ABSENT), Ordering::Relaxed);
+        fence(Ordering::Release);
+        slot.hash.store(hash, Ordering::Relaxed);
+        slot.len.store(key.len() as u32, Ordering::Relaxed);
+        for (w, x) in slot.words.iter().zip(key_words(key)) {
+            w.store(x, Ordering::Relaxed);
+        }
+        let head = &t.heads[t.bucket(hash)];
+        slot.next
+            .store(head.load(Ordering::Relaxed), Ordering::Relaxed);
+        slot.state
+            .store(word((seq | 1).wrapping_add(1), PENDING), Ordering::Release);
+        head.store(c + 1, Ordering::Release);
+        if key.len() > INLINE_KEY {
+            self.long.insert(c, key.into());
+        }
+        self.len += 1;
+        self.num_pending += 1;
+    }
+
+    /// Make pending or evictable slot `c` absent; returns its key.
+    pub fn remove(&mut self, c: ChunkId) -> KeyBuf {
+        let key = self.key(c);
+        let t = &*self.table;
+        let slot = &t.slots[c as usize];
+        let w = slot.state.load(Ordering::Acquire);
+        match code_of(w) {
+            PENDING => self.num_pending -= 1,
+            READY => self.num_evictable -= 1,
+            code => debug_assert!(false, "removing slot {c} in state {code}"),
+        }
+        slot.state
+            .store(word(seq_of(w).wrapping_add(2), ABSENT), Ordering::Release);
+        // Unlink: the slot keeps its own link, so a reader standing on it still reaches the
+        // rest of the chain.
+        let next = slot.next.load(Ordering::Relaxed);
+        let head = &t.heads[t.bucket(slot.hash.load(Ordering::Relaxed))];
+        let mut link = head;
+        loop {
+            let l = link.load(Ordering::Relaxed);
+            if l == 0 {
+                debug_assert!(false, "slot {c} is not in its chain");
+                break;
+            }
+            if l == c + 1 {
+                link.store(next, Ordering::Release);
+                break;
+            }
+            link = &t.slots[l as usize - 1].next;
+        }
+        self.long.remove(&c);
+        self.len -= 1;
+        key
+    }
+
+    /// Make every slot absent (releases still queued are dropped when drained).
+    pub fn clear(&mut self) {
+        let t = &*self.table;
+        for slot in &t.slots[..self.used] {
+            let w = slot.state.load(Ordering::Acquire);
+            if code_of(w) != ABSENT {
+                slot.state
+                    .store(word(seq_of(w).wrapping_add(2), ABSENT), Ordering::Release);
+            }
+        }
+        for h in t.heads.iter() {
+            if h.load(Ordering::Relaxed) != 0 {
+                h.store(0, Ordering::Release);
+            }
+        }
+        self.long.clear();
+        self.used = 0;
+        self.len = 0;
+        self.num_pending = 0;
+        self.num_evictable = 0;
+    }
+
+    // --- ref counts ---
+
+    /// The state of slot `c` as the policy sees it: a slot whose last pin a lock-free release
+    /// dropped counts as pinned once until [`drain_releases`](Self::drain_releases).
+    #[inline]
+    #[must_use]
+    pub fn state(&self, c: ChunkId) -> ChunkState {
+        match self.code(c) {
+            ABSENT => ChunkState::Absent,
+            PENDING => ChunkState::Pending,
+            TENTATIVE | RELEASING => ChunkState::Ready(1),
+            code => ChunkState::Ready(code - READY),
+        }
+    }
+
+    /// The ref count of slot `c` as the policy sees it (`-1` pending, `n >= 0` ready,
+    /// `i32::MIN` absent); see [`state`](Self::state).
+    #[inline]
+    #[must_use]
+    pub fn raw(&self, c: ChunkId) -> i32 {
+        match self.state(c) {
+            ChunkState::Absent => i32::MIN,
+            ChunkState::Pending => -1,
+            ChunkState::Ready(n) => n as i32,
+        }
+    }
+
+    /// Pending slots.
+    #[must_use]
+    pub fn num_pending(&self) -> usize {
+        self.num_pending
+    }
+
+    /// Ready slots with no pin (and no release waiting to be applied).
+    #[must_use]
+    pub fn num_evictable(&self) -> usize {
+        self.num_evictable
+    }
+
+    /// Whether `n` evictions can succeed when `protected_ready` of the evictable slots are
+    /// protected: policies are asked only for evictions that can (they assume it).
+    #[must_use]
+    pub fn can_evict(&self, n: usize, protected_ready: usize) -> bool {
+        n <= self.num_evictable.saturating_sub(protected_ready)
+    }
+
+    /// pending -> ready with no pin. `false` (and nothing changes) if `c` is not pending.
+    pub fn complete_store(&mut self, c: ChunkId) -> bool {
+        let slot = self.slot(c);
+        let w = slot.state.load(Ordering::Acquire);
+        if code_of(w) != PENDING {
+            return false;
+        }
+        slot.state.store(word(seq_of(w), READY), Ordering::Release);
+        self.num_pending -= 1;
+        self.num_evictable += 1;
+        true
+    }
+
+    /// Check that `extra` more pins of slot `c` are legal.
+    pub fn check_pin(&self, c: ChunkId, extra: u32) -> Result<()> {
+        let code = self.code(c);
+        if code < TENTATIVE {
+            return Err(crate::CoreError::KeyState(format!(
+                "chunk {c} is not readable"
+            )));
+        }
+        if pins_of(code)
+            .checked_add(extra)
+            .is_none_or(|n| n > MAX_PINS)
+        {
+            return Err(crate::CoreError::Overflow(format!(
+                "chunk {c} would be pinned by over 2^31 loads"
+            )));
+        }
+        Ok(())
+    }
+
+    /// One more pin of readable slot `c` (checked by [`check_pin`](Self::check_pin)). `true`
+    /// when the slot stops being evictable (a slot with a release waiting was not evictable).
+    pub fn pin(&mut self, c: ChunkId) -> bool {
+        let slot = &self.table.slots[c as usize];
+        let mut w = slot.state.load(Ordering::Acquire);
+        loop {
+            let code = match code_of(w) {
+                TENTATIVE | RELEASING => READY + 1,
+                code => code + 1,
+            };
+            debug_assert!(code_of(w) >= TENTATIVE);
+            match slot.state.compare_exchange(
+                w,
+                word(seq_of(w), code),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(now) => w = now,
+            }
+        }
+        let was_evictable = code_of(w) == READY;
+        if was_evictable {
+            self.num_evictable -= 1;
+        }
+        was_evictable
+    }
+
+    /// Drop one pin of each slot in order (a slot listed twice drops two), all or none:
+    /// `Err(i)` if `chunks[i]` had no pin left (another thread released it), after giving back
+    /// the pins already dropped. `Ok` holds, in order, whether each drop left its slot
+    /// evictable (the counters count it so; the caller tells the policy).
+    pub fn unpin_all(
+        &mut self,
+        chunks: &[ChunkId],
+    ) -> std::result::Result<SmallVec<[bool; 32]>, usize> {
+        let mut zero: SmallVec<[bool; 32]> = SmallVec::with_capacity(chunks.len());
+        for (i, &c) in chunks.iter().enumerate() {
+            let slot = &self.table.slots[c as usize];
+            let mut w = slot.state.load(Ordering::Acquire);
+            loop {
+                if pins_of(code_of(w)) == 0 {
+                    let taken: SmallVec<[(ChunkId, bool); 32]> =
+                        chunks[..i].iter().map(|&c| (c, false)).collect();
+                    self.table.undo_releases(&taken);
+                    return Err(i);
+                }
+                match slot.state.compare_exchange(
+                    w,
+                    word(seq_of(w), code_of(w) - 1),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                ) {
+                    Ok(_) => break,
+                    Err(now) => w = now,
+                }
+            }
+            zero.push(code_of(w) == READY + 1);
+        }
+        self.num_evictable += zero.iter().filter(|&&z| z).count();
+        Ok(zero)
+    }
+
+    /// Apply the releases queued by lock-free completions, in release order: each slot still
+    /// releasing becomes evictable and goes to `evictable` (for the policy).
+    pub fn drain_releases(&mut self, mut evictable: impl FnMut(ChunkId)) {
+        let t = &*self.table;
+        if t.top.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let top = t.top.swap(0, Ordering::SeqCst);
+        let mut order: SmallVec<[ChunkId; 32]> = SmallVec::new();
+        let mut link = top;
+        while link != 0 && link != END {
+            let c = link - 1;
+            order.push(c);
+            link = t.links[c as usize].load(Ordering::SeqCst);
+        }
+        for &c in order.iter().rev() {
+            t.links[c as usize].store(UNQUEUED, Ordering::SeqCst);
+            let slot = &t.slots[c as usize];
+            let w = slot.state.load(Ordering::SeqCst);
+            if code_of(w) == RELEASING
+                && slot
+                    .state
+                    .compare_exchange(
+                        w,
+                        word(seq_of(w), READY),
+                        Ordering::SeqCst,
+                        Ordering::SeqCst,
+                    )
+                    .is_ok()
+            {
+                self.num_evictable += 1;
+                evictable(c);
+            }
+        }
+    }
+
+    /// Check the counters, the chains and the long keys against the slots.
+    pub fn validate(&self) -> Result<()> {
+        let t = &*self.table;
+        let (mut pending, mut evictable, mut resident) = (0, 0, 0);
+        for (i, slot) in t.slots[..self.used].iter().enumerate() {
+            let w = slot.state.load(Ordering::Acquire);
+            ensure!(seq_of(w) & 1 == 0, "table: slot {i} left mid-write");
+            match code_of(w) {
+                ABSENT => continue,
+                PENDING => pending += 1,
+                READY => evictable += 1,
+                _ => {}
+            }
+            resident += 1;
+            let c = i as ChunkId;
+            let key = self.key(c);
+            ensure!(
+                slot.hash.load(Ordering::Relaxed) == hash_key(&key),
+                "table: stale hash for slot {i}"
+            );
+            ensure!(
+                self.find(&key, hash_key(&key)) == Some(c),
+                "table: the index does not map slot {i}'s key to it"
+            );
+            ensure!(
+                (key.len() > INLINE_KEY) == self.long.contains_key(&c),
+                "table: long-key tail of slot {i} out of step"
+            );
+        }
+        for slot in &t.slots[self.used..] {
+            ensure!(
+                code_of(slot.state.load(Ordering::Acquire)) == ABSENT,
+                "table: a key past the high-water mark"
+            );
+        }
+        ensure!(
+            (pending, evictable, resident) == (self.num_pending, self.num_evictable, self.len),
+            "table: {pending} pending, {evictable} evictable, {resident} resident; counters say \
+             {}, {}, {}",
+            self.num_pending,
+            self.num_evictable,
+            self.len
+        );
+        let mut chained = 0;
+        for (b, head) in t.heads.iter().enumerate() {
+            let mut link = head.load(Ordering::Acquire);
+            while link != 0 {
+                let c = link - 1;
+                ensure!(
+                    (c as usize) < self.used,
+                    "table: chain of bucket {b} leaves the slots"
+                );
+                ensure!(self.resident(c), "table: absent slot {c} still chained");
+                ensure!(
+                    t.bucket(self.hash(c)) == b,
+                    "table: slot {c} chained in the wrong bucket"
+                );
+                chained += 1;
+                ensure!(
+                    chained <= self.len,
+                    "table: a chain loops or repeats a slot"
+                );
+                link = t.slots[c as usize].next.load(Ordering::Relaxed);
+            }
+        }
+        ensure!(
+            chained == self.len,
+            "table: {chained} slots chained for {} resident",
+            self.len
+        );
+        ensure!(
+            self.long.len() <= self.len,
+            "table: long keys of absent slots kept"
+        );
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for Slots {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slots")
+            .field("capacity", &self.capacity())
+            .field("len", &self.len)
+            .field("num_pending", &self.num_pending)
+            .field("num_evictable", &self.num_evictable)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn table(n: u32) -> Slots {
+        Slots::new(n).unwrap()
+    }
+
+    /// Insert `key` into slot `c`, ready.
+    fn put(t: &mut Slots, c: ChunkId, key: &[u8]) {
+        t.insert(c, key, hash_key(key));
+        assert!(t.complete_store(c));
+    }
+
+    /// `n` distinct keys whose hashes share bucket `b` of a table of 16 buckets.
+    fn colliding(b: u64, n: usize) -> Vec<Vec<u8>> {
+        (0u32..)
+            .map(|i| format!("key{i}").into_bytes())
+            .filter(|k| hash_key(k) % 16 == b)
+            .take(n)
+            .collect()
+    }
+
+    #[test]
+    fn colliding_keys_chain_and_unlink_anywhere() {
+        let mut t = table(4);
+        let ks = colliding(7, 5);
+        for (c, k) in ks[..4].iter().enumerate() {
+            put(&mut t, c as ChunkId, k);
+        }
+        t.validate().unwrap();
+        let shared = t.shared();
+        let h = |k: &[u8]| hash_key(k);
+        for (c, k) in ks[..4].iter().enumerate() {
+            assert_eq!(t.find(k, h(k)), Some(c as ChunkId));
+            assert_eq!(shared.probe(k, h(k)), Probe::Ready);
+        }
+        // Middle, head and tail of the chain (3 -> 2 -> 1 -> 0).
+        assert_eq!(t.remove(2).as_slice(), ks[2].as_slice());
+        assert_eq!(t.remove(3).as_slice(), ks[3].as_slice());
+        assert_eq!(t.remove(0).as_slice(), ks[0].as_slice());
+        t.validate().unwrap();
+        assert_eq!(shared.probe(&ks[2], h(&ks[2])), Probe::Miss);
+        assert_eq!(shared.probe(&ks[1], h(&ks[1])), Probe::Ready);
+        assert_eq!((t.len(), t.num_evictable()), (1, 1));
+        t.insert(0, &ks[4], h(&ks[4]));
+        assert_eq!(shared.probe(&ks[4], h(&ks[4])), Probe::Pending);
+        t.validate().unwrap();
+    }
+
+    #[test]
+    fn keys_of_every_length_round_trip_and_long_ones_ask_the_writer() {
+        let mut t = table(64);
+        let keys: Vec<Vec<u8>> = (0..64u8).map(|n| (0..n).map(|i| i ^ n).collect()).collect();
+        for (c, k) in keys.iter().enumerate() {
+            put(&mut t, c as ChunkId, k);
+        }
+        t.validate().unwrap();
+        let shared = t.shared();
+        for (c, k) in keys.iter().enumerate() {
+            assert_eq!(t.key(c as ChunkId).as_slice(), k.as_slice());
+            assert_eq!(t.find(k, hash_key(k)), Some(c as ChunkId));
+            let want = if k.len() > INLINE_KEY {
+                Probe::Unsure
+            } else {
+                Probe::Ready
+            };
+            assert_eq!(shared.probe(k, hash_key(k)), want);
+        }
+        // A long key differing only past the inline bytes is another key.
+        let mut other = keys[50].clone();
+        *other.last_mut().unwrap() ^= 1;
+        assert_eq!(t.find(&other, hash_key(&keys[50])), None);
+        assert_eq!(shared.lookup_prefix(&[&keys[0], &keys[1], b"zz"]), Some(2));
+        assert_eq!(shared.lookup_prefix(&[&keys[0], &keys[60]]), None);
+    }
+
+    #[test]
+    fn releases_apply_on_drain_in_release_order() {
+        let mut t = table(3);
+        for c in 0..3 {
+            put(&mut t, c, &[c as u8]);
+            t.check_pin(c, 1).unwrap();
+            assert!(t.pin(c));
+        }
+        t.pin(1);
+        let shared = t.shared();
+        let k = |c: u8| [c];
+        assert_eq!(shared.release(&[&k(2), &k(0), &k(1)]), Release::Done);
+        // 2 and 0 wait for the writer (still held as far as it knows); 1 keeps one pin.
+        assert_eq!(
+            (t.state(2), t.state(1), t.num_evictable()),
+            (ChunkState::Ready(1), ChunkState::Ready(1), 0)
+        );
+        assert_eq!(shared.probe(&k(2), hash_key(&k(2))), Probe::Ready);
+        let mut order = Vec::new();
+        t.drain_releases(|c| order.push(c));
+        assert_eq!(order, vec![2, 0]);
+        assert_eq!((t.state(2), t.num_evictable()), (ChunkState::Ready(0), 2));
+        t.validate().unwrap();
+        // Nothing pinned: refused, nothing changed; a key listed twice needs two pins.
+        assert_eq!(shared.release(&[&k(1), &k(0)]), Release::Unsure);
+        assert_eq!(t.state(1), ChunkState::Ready(1));
+        assert_eq!(shared.release(&[&k(1), &k(1)]), Release::Unsure);
+        assert_eq!(t.state(1), ChunkState::Ready(1));
+        assert_eq!(shared.release(&[b"absent"]), Release::Unsure);
+        t.validate().unwrap();
+    }
+
+    #[test]
+    fn a_pin_taken_back_before_the_drain_cancels_the_release() {
+        let mut t = table(1);
+        put(&mut t, 0, b"k");
+        assert!(t.pin(0));
+        let shared = t.shared();
+        assert_eq!(shared.release(&[b"k"]), Release::Done);
+        // The writer pins it again before applying: it was never evictable in between.
+        assert!(!t.pin(0));
+        let mut order = Vec::new();
+        t.drain_releases(|c| order.push(c));
+        assert!(order.is_empty());
+        assert_eq!((t.state(0), t.num_evictable()), (ChunkState::Ready(1), 0));
+        // Released and queued again while the first queue entry is gone: applied once.
+        assert_eq!(shared.release(&[b"k"]), Release::Done);
+        t.drain_releases(|c| order.push(c));
+        assert_eq!(order, vec![0]);
+        t.validate().unwrap();
+    }
+
+    #[test]
+    fn unpin_all_is_all_or_nothing() {
+        let mut t = table(2);
+        put(&mut t, 0, b"a");
+        put(&mut t, 1, b"b");
+        t.pin(0);
+        assert_eq!(t.unpin_all(&[0, 1]), Err(1));
+        assert_eq!((t.state(0), t.num_evictable()), (ChunkState::Ready(1), 1));
+        assert_eq!(t.unpin_all(&[0]).unwrap().as_slice(), &[true]);
+        assert_eq!(t.num_evictable(), 2);
+        t.validate().unwrap();
+    }
+
+    #[test]
+    fn clear_and_validate() {
+        let mut t = table(8);
+        for c in 0..8 {
+            put(&mut t, c, &[c as u8; 3]);
+        }
+        let shared = t.shared();
+        t.clear();
+        assert!(t.is_empty());
+        assert_eq!(shared.probe(&[1; 3], hash_key(&[1; 3])), Probe::Miss);
+        t.validate().unwrap();
+        put(&mut t, 5, b"again");
+        t.validate().unwrap();
+        // Drift is caught.
+        t.num_evictable += 1;
+        assert!(t.validate().is_err());
+    }
+
+    #[test]
+    fn readers_on_other_threads_see_only_states_the_table_held() {
+        // Keys 0..8 stay resident and ready throughout; keys 8..16 come and go through slots
+        // 8..12, all in one bucket so chains are rebuilt under the readers.
+        let mut t = table(12);
+        let ks = colliding(5, 16);
+        for c in 0..8u32 {
+            put(&mut t, c, &ks[c as usize]);
+        }
+        let shared = t.shared();
+        let ks = &ks;
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| {
+                    let mut n = 0u64;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) || n < 1000 {
+                        for k in &ks[..8] {
+                            assert_eq!(shared.probe(k, hash_key(k)), Probe::Ready);
+                        }
+                        let k = &ks[8 + (n % 8) as usize];
+                        assert_ne!(shared.probe(k, hash_key(k)), Probe::Unsure);
+                        n += 1;
+                    }
+                });
+            }
+            let mut held: Vec<Option<u32>> = vec![None; 4];
+            for step in 0..20_000u32 {
+                let slot = step % 4;
+                if let Some(k) = held[slot as usize].take() {
+                    let _ = k;
+                    t.remove(8 + slot);
+                } else {
+                    let k = 8 + (step / 4) % 8;
+                    let key = &ks[k as usize];
+                    if t.find(key, hash_key(key)).is_none() {
+                        put(&mut t, 8 + slot, key);
+                        held[slot as usize] = Some(k);
+                    }
+                }
+            }
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        t.validate().unwrap();
+    }
+}

@@ -1,0 +1,146 @@
+//! Model checks of the lock-free table (`table.rs`) with loom: every interleaving of a few
+//! threads, within loom's bounds.
+//!
+//! ```text
+//! RUSTFLAGS="--cfg loom" cargo test -p kvoffload-core --test loom --release
+//! ```
+//! (The normal test run compiles this file to nothing.) Each model runs with at most three
+//! preemptions per execution.
+#![cfg(loom)]
+
+use kvoffload_core::{hash_key, ChunkState, Probe, Release, Slots};
+use loom::thread;
+
+/// Run `f` under loom with at most three preemptions per execution (loom's advice: the bugs
+/// of small lock-free structures show within two or three; unbounded, the chain-rebuild model
+/// runs for hours).
+fn model(f: impl Fn() + Sync + Send + 'static) {
+    let mut b = loom::model::Builder::new();
+    b.preemption_bound = Some(3);
+    b.check(f);
+}
+
+/// A table of `n` slots holding `keys[i]` in slot `i`, ready.
+fn ready(n: u32, keys: &[&[u8]]) -> Slots {
+    let mut t = Slots::new(n).unwrap();
+    for (c, k) in keys.iter().enumerate() {
+        t.insert(c as u32, k, hash_key(k));
+        assert!(t.complete_store(c as u32));
+    }
+    t
+}
+
+/// `n` distinct keys whose hashes fall in bucket `b` of a small table (16 buckets): they share
+/// one chain.
+fn colliding(b: u64, n: usize) -> Vec<Vec<u8>> {
+    (0u32..)
+        .map(|i| format!("key{i}").into_bytes())
+        .filter(|k| hash_key(k) % 16 == b)
+        .take(n)
+        .collect()
+}
+
+/// Chain a -> b (a inserted last, at the head); the writer drops a and gives its slot to `c`.
+fn reader_during_rebuild(c_bucket: u64) {
+    model(move || {
+        let same = colliding(0, 2);
+        let c_key = colliding(c_bucket, 3).pop().unwrap();
+        let (a_key, b_key) = (same[1].clone(), same[0].clone());
+        let mut t = ready(2, &[&b_key, &a_key]);
+        let shared = t.shared();
+        let c2 = c_key.clone();
+        let reader = thread::spawn(move || {
+            let b = shared.probe(&b_key, hash_key(&b_key));
+            let c = shared.probe(&c2, hash_key(&c2));
+            (b, c)
+        });
+        t.remove(1);
+        t.insert(1, &c_key, hash_key(&c_key));
+        let (b, c) = reader.join().unwrap();
+        assert_eq!(b, Probe::Ready, "b is resident throughout");
+        assert!(matches!(c, Probe::Miss | Probe::Pending));
+        t.validate().unwrap();
+    });
+}
+
+#[test]
+fn a_reader_never_misses_a_resident_key_while_its_chain_is_rebuilt() {
+    reader_during_rebuild(0);
+}
+
+#[test]
+fn a_reader_standing_on_a_slot_moved_to_another_chain_starts_again() {
+    reader_during_rebuild(1);
+}
+
+#[test]
+fn a_release_racing_the_writers_pin_and_drain_loses_no_pin() {
+    model(|| {
+        let mut t = ready(1, &[b"k"]);
+        t.check_pin(0, 1).unwrap();
+        t.pin(0);
+        let shared = t.shared();
+        let releaser = thread::spawn(move || shared.release(&[b"k"]));
+        // The writer: apply queued releases, then a load pins the key again.
+        let mut applied = 0;
+        t.drain_releases(|_| applied += 1);
+        t.check_pin(0, 1).unwrap();
+        t.pin(0);
+        assert_eq!(releaser.join().unwrap(), Release::Done);
+        t.drain_releases(|_| applied += 1);
+        // Exactly the writer's pin is left, and the slot is not evictable.
+        assert_eq!(t.state(0), ChunkState::Ready(1));
+        assert_eq!(t.num_evictable(), 0);
+        assert!(applied <= 1);
+        assert_eq!(t.unpin_all(&[0]).unwrap().as_slice(), &[true]);
+        t.validate().unwrap();
+    });
+}
+
+#[test]
+fn two_releases_of_one_pin_one_wins_and_the_other_changes_nothing() {
+    model(|| {
+        let mut t = ready(2, &[b"x", b"y"]);
+        for c in [0, 1] {
+            t.pin(c);
+        }
+        let (s1, s2) = (t.shared(), t.shared());
+        let first = thread::spawn(move || s1.release(&[b"x", b"y"]));
+        let second = s2.release(&[b"y"]);
+        let first = first.join().unwrap();
+        // y had one pin: exactly one of the two releases took it.
+        assert!(
+            (first == Release::Done) != (second == Release::Done),
+            "{first:?} {second:?}"
+        );
+        let mut order = Vec::new();
+        t.drain_releases(|c| order.push(c));
+        if first == Release::Done {
+            assert_eq!(order, vec![0, 1]);
+            assert_eq!(t.num_evictable(), 2);
+        } else {
+            // The failed release gave x's pin back.
+            assert_eq!(order, vec![1]);
+            assert_eq!(t.state(0), ChunkState::Ready(1));
+        }
+        t.validate().unwrap();
+    });
+}
+
+#[test]
+fn two_releases_of_two_pins_queue_the_slot_once() {
+    model(|| {
+        let mut t = ready(1, &[b"k"]);
+        t.pin(0);
+        t.pin(0);
+        let (s1, s2) = (t.shared(), t.shared());
+        let other = thread::spawn(move || s1.release(&[b"k"]));
+        assert_eq!(s2.release(&[b"k"]), Release::Done);
+        assert_eq!(other.join().unwrap(), Release::Done);
+        let mut order = Vec::new();
+        t.drain_releases(|c| order.push(c));
+        assert_eq!(order, vec![0]);
+        assert_eq!((t.state(0), t.num_evictable()), (ChunkState::Ready(0), 1));
+        t.validate().unwrap();
+    });
+}
