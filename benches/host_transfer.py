@@ -163,7 +163,7 @@ def main() -> None:
     p.add_argument("--total-mib", type=int, default=1024)
     p.add_argument("--block-kib", type=int, nargs="+", default=[64, 256, 1024, 2048])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--repeat", type=int, default=11)
     p.add_argument("--huge-pages", action="store_true", help="pools with MADV_HUGEPAGE")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--markdown", action="store_true", help="print a markdown table only")
