@@ -2,8 +2,9 @@
 
 For each block size, a fresh pool of ``total / block`` chunks of one block is created (its
 pre-fault rate is recorded, and that of the same pool pre-faulted on one thread). Then
-``--repeat`` rounds, each running every operation once in a fresh random order (so drift on a
-shared machine and the position in a round hit all alike):
+``--repeat`` rounds. In each, every transfer runs back to back with its two baselines (the three
+in a fresh random order), the groups themselves in a fresh random order, so that a transfer and
+the numpy copies it is compared with see the same moment of a shared machine:
 
 - numpy: ``np.copyto(dst, src)``, one contiguous copy between two numpy arrays (numpy's best
   case: both arrays on transparent huge pages, which numpy asks for);
@@ -20,9 +21,10 @@ glibc's ``memmove`` (what numpy's copy is) drops to about a third of its speed w
 destination sits 16-64 bytes past the source modulo 4 KiB (measured here), which a page-aligned
 pool and a ``malloc``-ed array would otherwise produce for the "numpy out" copy.
 
-Throughputs are the best round. Ratios are baseline time / kvoffload time within each round,
-the median over rounds (1.0 = as fast as numpy's single copy): ``_ratio`` against the
-same-memory copy (numpy in for gather, numpy out for scatter), ``_ratio_arrays`` against the
+Throughputs are the best run. Ratios are baseline time / kvoffload time within each group (the
+transfer and the baseline copy measured back to back), the median over rounds (1.0 = as fast as
+numpy's single copy): ``_ratio`` against the same-memory copy (numpy in for gather, numpy out for
+scatter: the same bytes into the same destination pages), ``_ratio_arrays`` against the
 array-to-array copy.
 
     python benches/host_transfer.py                      # 1 GiB, 64 KiB .. 2 MiB, threads 1 2
@@ -97,14 +99,24 @@ def measure(
         "numpy_out": lambda: np.copyto(back, view),
         "numpy_rows": lambda: dst.__setitem__(chunk_order, src),
     }
+    # Each transfer runs back to back with its two baselines, in a fresh random order: the
+    # like-for-like copy into the same destination memory and the array-to-array copy.
+    groups: list[list[str]] = [["numpy_rows"]]
     for t in threads:
         ops[f"gather_t{t}"] = lambda t=t: pool.gather(src, block_order, chunk_order, threads=t)
         ops[f"scatter_t{t}"] = lambda t=t: pool.scatter(back, block_order, chunk_order, threads=t)
+        groups += [[f"gather_t{t}", "numpy_in", "numpy"], [f"scatter_t{t}", "numpy_out", "numpy"]]
     timings: dict[str, list[float]] = {name: [] for name in ops}
-    names = list(ops)
+    ratios: dict[str, list[float]] = {}
     for _ in range(repeat):
-        for i in rng.permutation(len(names)):
-            timings[names[i]].append(timed(ops[names[i]]))
+        for g in rng.permutation(len(groups)):
+            group = groups[g]
+            times = {group[i]: timed(ops[group[i]]) for i in rng.permutation(len(group))}
+            for name, ts in times.items():
+                timings[name].append(ts)
+            op, *baselines = group
+            for base, suffix in zip(baselines, ("_ratio", "_ratio_arrays"), strict=False):
+                ratios.setdefault(op + suffix, []).append(times[base] / times[op])
     back.fill(0)
     pool.gather(src, block_order, chunk_order, threads=1)
     assert (view[chunk_order] == src[block_order]).all()
@@ -114,17 +126,8 @@ def measure(
     for name, ts in timings.items():
         row[f"{name}_s"] = min(ts)
         row[f"{name}_gb_s"] = n * block / min(ts) / 1e9
-    for t in threads:
-        for op, same in (("gather", "numpy_in"), ("scatter", "numpy_out")):
-            # Paired within a round (measured a second apart), then the median: steadier than
-            # a ratio of two bests on a machine shared with other work.
-            ts = timings[f"{op}_t{t}"]
-            row[f"{op}_t{t}_ratio"] = statistics.median(
-                a / b for a, b in zip(timings[same], ts, strict=True)
-            )
-            row[f"{op}_t{t}_ratio_arrays"] = statistics.median(
-                a / b for a, b in zip(timings["numpy"], ts, strict=True)
-            )
+    for name, rs in ratios.items():
+        row[name] = statistics.median(rs)
     return row
 
 
@@ -160,7 +163,7 @@ def main() -> None:
     p.add_argument("--total-mib", type=int, default=1024)
     p.add_argument("--block-kib", type=int, nargs="+", default=[64, 256, 1024, 2048])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--repeat", type=int, default=11)
     p.add_argument("--huge-pages", action="store_true", help="pools with MADV_HUGEPAGE")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--markdown", action="store_true", help="print a markdown table only")
