@@ -78,6 +78,10 @@ unsafe impl Zeroable for AtomicU64 {
     }
 }
 
+/// The size of a transparent huge page on x86-64 and arm64 (4 KiB base pages).
+#[cfg(not(loom))]
+const HUGE_PAGE: usize = 2 << 20;
+
 /// `len` zero values of `T`. Large arrays are anonymous mappings: their pages are the kernel's
 /// shared zero page until written, so an array sized for a pool of 10^7 chunks costs memory
 /// only for the chunks used.
@@ -110,12 +114,16 @@ impl<T: Zeroable> ZeroArray<T> {
                 mapped: 0,
             });
         }
-        // SAFETY: a fresh private anonymous mapping; no existing memory is touched. Its
-        // address is page-aligned, which satisfies `T`'s alignment (at most 64 here).
+        // Arrays of 2 MiB or more sit on 2 MiB boundaries and ask for transparent huge pages:
+        // they are read at random (hash buckets, slots by chunk id), and with 4 KiB pages most
+        // of those reads would also miss the TLB.
+        let huge = bytes >= HUGE_PAGE;
+        let map_len = if huge { bytes + HUGE_PAGE } else { bytes };
+        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                bytes,
+                map_len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
@@ -125,9 +133,29 @@ impl<T: Zeroable> ZeroArray<T> {
         if p == libc::MAP_FAILED {
             return None;
         }
+        let mut start = p.cast::<u8>();
+        if huge {
+            let head = (HUGE_PAGE - start as usize % HUGE_PAGE) % HUGE_PAGE;
+            let tail = map_len - head - bytes;
+            // SAFETY: `head` and `tail` lie inside the mapping just made and are unmapped
+            // once; what remains is `bytes` long and starts on a 2 MiB boundary. The advice
+            // only changes how the kernel backs these pages (it may refuse; nothing depends on
+            // it).
+            unsafe {
+                if head > 0 {
+                    libc::munmap(start.cast(), head);
+                }
+                start = start.add(head);
+                if tail > 0 {
+                    libc::munmap(start.add(bytes).cast(), tail);
+                }
+                libc::madvise(start.cast(), bytes, libc::MADV_HUGEPAGE);
+            }
+        }
+        // Page-aligned (or 2 MiB-aligned), which satisfies `T`'s alignment (at most 64 here).
         debug_assert!(std::mem::align_of::<T>() <= 4096);
         Some(Self {
-            ptr: std::ptr::NonNull::new(p.cast())?,
+            ptr: std::ptr::NonNull::new(start.cast())?,
             len,
             mapped: bytes,
         })

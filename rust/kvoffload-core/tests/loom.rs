@@ -30,12 +30,12 @@ fn ready(n: u32, keys: &[&[u8]]) -> Slots {
     t
 }
 
-/// `n` distinct keys whose hashes fall in bucket `b` of a small table (16 buckets): they share
+/// `n` distinct keys whose hashes fall in bucket `b` of any table of up to 64 buckets: they share
 /// one chain.
 fn colliding(b: u64, n: usize) -> Vec<Vec<u8>> {
     (0u32..)
         .map(|i| format!("key{i}").into_bytes())
-        .filter(|k| hash_key(k) % 16 == b)
+        .filter(|k| hash_key(k) % 64 == b)
         .take(n)
         .collect()
 }

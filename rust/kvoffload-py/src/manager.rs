@@ -157,6 +157,12 @@ pub(crate) struct ManagerCore {
     table: Arc<core::ChunkTable>,
 }
 
+/// The manager if its lock is free now (and not poisoned), releases applied: uncontended calls
+/// that have a lock-free path take the lock instead, which costs less on one thread.
+fn uncontended(inner: &Mutex<Core>) -> Option<MutexGuard<'_, Core>> {
+    inner.try_lock().ok().map(applied)
+}
+
 /// A locked manager, with the releases that lock-free completions queued applied first.
 fn applied(mut guard: MutexGuard<'_, Core>) -> MutexGuard<'_, Core> {
     guard.manager.apply_releases();
@@ -544,6 +550,11 @@ impl ManagerCore {
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = req_context;
         let key = one_key(key)?;
+        if let Some(m) = uncontended(&self.inner) {
+            let found = m.lookup(key);
+            drop(m);
+            return Ok(self.types(py)?.lookup[lookup_index(found)].bind(py).clone());
+        }
         let found = match self.table.probe(key, core::hash_key(key)) {
             core::Probe::Miss => Lookup::Miss,
             core::Probe::Pending => Lookup::HitPending,
@@ -557,6 +568,10 @@ impl ManagerCore {
     fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
+        // The lock if free, else the lock-free table (a long key needs the lock after all).
+        if let Some(m) = uncontended(&self.inner) {
+            return Ok(m.lookup_prefix(&slices));
+        }
         if let Some(hits) = self.table.lookup_prefix(&slices) {
             return Ok(hits);
         }
@@ -596,10 +611,16 @@ impl ManagerCore {
     fn complete_load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
-        // Built-in policies learn of releases when the manager is next locked; a Python policy
-        // sees ref counts mirrored at once, so its manager releases under the lock.
-        if !self.python_policy && self.table.release(&slices) == core::Release::Done {
-            return Ok(());
+        // With a built-in policy: the lock if free, else a lock-free release that the next
+        // locked call applies. A Python policy sees ref counts mirrored at once, so its
+        // manager releases under the lock.
+        if !self.python_policy {
+            if let Some(mut m) = uncontended(&self.inner) {
+                return m.complete_load(&slices).map_err(|e| to_py(py, e));
+            }
+            if self.table.release(&slices) == core::Release::Done {
+                return Ok(());
+            }
         }
         let (done, raised) =
             self.policy_call(py, None, &keys.objs, None, |m, _| m.complete_load(&slices))?;
