@@ -13,6 +13,7 @@ use kvoffload_core::{self as core, Lookup, Manager, ManagerConfig, PolicyKind};
 use numpy::PyArray1;
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
@@ -168,12 +169,17 @@ impl ManagerCore {
         self.acquire(py).map_err(|e| e.into_py(py))
     }
 
-    /// Lock the manager. With a Python policy the holder may be running Python code, so the
-    /// wait happens detached from the interpreter, and a call from inside the policy (the
+    /// Lock the manager. A contended lock is waited for detached from the interpreter: on a
+    /// free-threaded build a thread blocked while attached holds up every stop-the-world pause
+    /// (the garbage collector's), and with it every thread that attaches meanwhile. With a Python
+    /// policy the holder may be running Python code, and a call from inside the policy (the
     /// holder's own thread) is refused instead of deadlocking.
     fn acquire(&self, py: Python<'_>) -> Result<MutexGuard<'_, Core>, LockError> {
         if !self.python_policy {
-            return self.inner.lock().map_err(|_| LockError::Poisoned);
+            return self
+                .inner
+                .lock_py_attached(py)
+                .map_err(|_| LockError::Poisoned);
         }
         let mut spins = 0u32;
         loop {
