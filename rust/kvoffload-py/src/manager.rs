@@ -117,6 +117,16 @@ fn settle<T>(py: Python<'_>, result: core::Result<T>, raised: Option<PyErr>) -> 
 /// another thread got it can cost a whole switch interval.
 const DETACH_MIN_KEYS: usize = 128;
 
+/// Renew `state` if a reset made it stale after [`ManagerCore::request_state`] checked it (another
+/// thread's `reset_cache` between that check and this call's lock: the GIL no longer makes the
+/// two one step). The renewed state is what `request_state` returns after a reset; the stale one
+/// carries the old generation's LRU rank, which the new generation has not issued.
+fn renew_if_stale(m: &Core, s: &mut core::RequestState) {
+    if !m.is_current(s) {
+        *s = m.new_request_state();
+    }
+}
+
 /// An address unique to the calling thread while it lives.
 fn thread_mark() -> usize {
     thread_local!(static MARK: u8 = const { 0 });
@@ -569,7 +579,11 @@ impl ManagerCore {
             Some(ctx.object()),
             &keys.objs,
             Some(state.get()),
-            |m, s| m.prepare_load(&slices, positions.as_deref(), s.expect("state given")),
+            |m, s| {
+                let s = s.expect("state given");
+                renew_if_stale(m, s);
+                m.prepare_load(&slices, positions.as_deref(), s)
+            },
         )?;
         let chunks = settle(py, chunks, raised)?;
         spec(py, self.types(py)?, &chunks)
@@ -633,7 +647,9 @@ impl ManagerCore {
                 if let Some(now) = now {
                     m.set_clock(now);
                 }
-                let outcome = m.prepare_store(&slices, positions.as_deref(), s.expect("state"));
+                let s = s.expect("state given");
+                renew_if_stale(m, s);
+                let outcome = m.prepare_store(&slices, positions.as_deref(), s);
                 let mut objs = Vec::new();
                 let mut dropped = Vec::new();
                 match &outcome {
