@@ -1,7 +1,7 @@
 //! `ManagerCore`: the core manager behind a lock, with arguments read in one pass and results
 //! built after the lock is released. With a built-in policy no Python runs while a Rust lock is
-//! held. A Python policy ([`PythonPolicy`]) runs under the lock; then the lock is never waited
-//! for while attached to the interpreter, and a call from inside the policy is refused.
+//! held. A Python policy ([`PythonPolicy`]) runs under the lock, and a call from inside the
+//! policy is refused. Either way a held lock is waited for detached from the interpreter.
 
 use crate::errors::{poisoned, raise, to_py};
 use crate::keys::{build, one_key, position_value, result_types, Context, Keys, ResultTypes};
