@@ -21,8 +21,8 @@
 # deb.debian.org and PyPI are needed (not python.org or GitHub); the source's sha256 is pinned.
 # Needs a C toolchain and the usual CPython build headers (libssl, libffi, zlib, bz2, lzma,
 # sqlite3, readline, ncurses, uuid); as root it installs missing ones with apt-get. Not part of
-# scripts/test or CI: from cold ~25 min (interpreter 11, wheels 1, kvoffload 3, tests 10), warm
-# ~12 min with the default 60 s per stress run (docs/reliability.md).
+# scripts/test or CI: from cold ~30 min (interpreter 11, wheels 1, kvoffload 3, tests and stress
+# 13), warm ~13 min with the default 60 s per stress run (docs/reliability.md).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
