@@ -74,24 +74,32 @@ fn prefetch_items(list: &Bound<'_, PyList>) {
     if list.len() < 2 {
         return;
     }
-    for i in 0..list.len() {
-        let Ok(i) = pyo3::ffi::Py_ssize_t::try_from(i) else {
+    // Under the list's critical section no other thread can resize it or replace its items
+    // (free-threaded builds; with the GIL this is the GIL itself), so the length read here
+    // stays true for the whole loop and every pointer read is a live item's.
+    pyo3::sync::critical_section::with_critical_section(list.as_any(), || {
+        let Ok(len) = pyo3::ffi::Py_ssize_t::try_from(list.len()) else {
             return;
         };
-        // SAFETY: `list` is a live list and `i` is below its length, so `PyList_GetItem`
-        // returns a borrowed pointer to a live object (or null, with an error we clear); the
-        // pointer is only handed to a prefetch, which never dereferences it.
-        let item = unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i) };
-        if item.is_null() {
-            // SAFETY: the GIL is held (we have a `Bound`); this drops the error just raised.
-            unsafe { pyo3::ffi::PyErr_Clear() };
-            return;
+        for i in 0..len {
+            // SAFETY: `list` is a live list that no other thread can change meanwhile (the
+            // critical section) and `i` is below its length, so `PyList_GetItem` returns a
+            // borrowed pointer to a live object; the pointer is only handed to a prefetch,
+            // which never dereferences it. No Python code runs in this loop, so the critical
+            // section is never suspended.
+            let item = unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i) };
+            if item.is_null() {
+                // SAFETY: attached to the interpreter (we have a `Bound`); this drops the error
+                // just raised (unreachable while the length holds).
+                unsafe { pyo3::ffi::PyErr_Clear() };
+                return;
+            }
+            // The object header and the next line (a `bytes` object's data starts 32 bytes in).
+            let p = item.cast::<u8>().cast_const();
+            kvoffload_core::mem::prefetch_addr(p);
+            kvoffload_core::mem::prefetch_addr(p.wrapping_add(64));
         }
-        // The object header and the next line (a `bytes` object's data starts 32 bytes in).
-        let p = item.cast::<u8>().cast_const();
-        kvoffload_core::mem::prefetch_addr(p);
-        kvoffload_core::mem::prefetch_addr(p.wrapping_add(64));
-    }
+    });
 }
 
 /// The Python type name of `obj`, for error messages.

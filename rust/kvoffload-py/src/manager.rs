@@ -1,7 +1,7 @@
 //! `ManagerCore`: the core manager behind a lock, with arguments read in one pass and results
 //! built after the lock is released. With a built-in policy no Python runs while a Rust lock is
-//! held. A Python policy ([`PythonPolicy`]) runs under the lock; then the lock is never waited
-//! for while attached to the interpreter, and a call from inside the policy is refused.
+//! held. A Python policy ([`PythonPolicy`]) runs under the lock, and a call from inside the
+//! policy is refused. Either way a held lock is waited for detached from the interpreter.
 
 use crate::errors::{poisoned, raise, to_py};
 use crate::keys::{build, one_key, position_value, result_types, Context, Keys, ResultTypes};
@@ -13,6 +13,7 @@ use kvoffload_core::{self as core, Lookup, Manager, ManagerConfig, PolicyKind};
 use numpy::PyArray1;
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
@@ -116,6 +117,16 @@ fn settle<T>(py: Python<'_>, result: core::Result<T>, raised: Option<PyErr>) -> 
 /// another thread got it can cost a whole switch interval.
 const DETACH_MIN_KEYS: usize = 128;
 
+/// Renew `state` if a reset made it stale after [`ManagerCore::request_state`] checked it (another
+/// thread's `reset_cache` between that check and this call's lock: the GIL no longer makes the
+/// two one step). The renewed state is what `request_state` returns after a reset; the stale one
+/// carries the old generation's LRU rank, which the new generation has not issued.
+fn renew_if_stale(m: &Core, s: &mut core::RequestState) {
+    if !m.is_current(s) {
+        *s = m.new_request_state();
+    }
+}
+
 /// An address unique to the calling thread while it lives.
 fn thread_mark() -> usize {
     thread_local!(static MARK: u8 = const { 0 });
@@ -183,14 +194,16 @@ impl ManagerCore {
         self.acquire(py).map_err(|e| e.into_py(py))
     }
 
-    /// Lock the manager. With a Python policy the holder may be running Python code, so the
-    /// wait happens detached from the interpreter, and a call from inside the policy (the
+    /// Lock the manager. A contended lock is waited for detached from the interpreter: on a
+    /// free-threaded build a thread blocked while attached holds up every stop-the-world pause
+    /// (the garbage collector's), and with it every thread that attaches meanwhile. With a Python
+    /// policy the holder may be running Python code, and a call from inside the policy (the
     /// holder's own thread) is refused instead of deadlocking.
     fn acquire(&self, py: Python<'_>) -> Result<MutexGuard<'_, Core>, LockError> {
         if !self.python_policy {
             return self
                 .inner
-                .lock()
+                .lock_py_attached(py)
                 .map(applied)
                 .map_err(|_| LockError::Poisoned);
         }
@@ -601,7 +614,11 @@ impl ManagerCore {
             Some(ctx.object()),
             &keys.objs,
             Some(state.get()),
-            |m, s| m.prepare_load(&slices, positions.as_deref(), s.expect("state given")),
+            |m, s| {
+                let s = s.expect("state given");
+                renew_if_stale(m, s);
+                m.prepare_load(&slices, positions.as_deref(), s)
+            },
         )?;
         let chunks = settle(py, chunks, raised)?;
         spec(py, self.types(py)?, &chunks)
@@ -676,7 +693,9 @@ impl ManagerCore {
                 if let Some(now) = now {
                     m.set_clock(now);
                 }
-                let outcome = m.prepare_store(&slices, positions.as_deref(), s.expect("state"));
+                let s = s.expect("state given");
+                renew_if_stale(m, s);
+                let outcome = m.prepare_store(&slices, positions.as_deref(), s);
                 let mut objs = Vec::new();
                 let mut dropped = Vec::new();
                 match &outcome {

@@ -24,6 +24,7 @@ use kvoffload_core::policy::{Access, FinishedKey, RequestRank};
 use kvoffload_core::{hash_key, ChunkId, ChunkState, PolicyKind, Slots};
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};
 use slots::Inner;
 use state::{state_dict, state_keys};
@@ -45,8 +46,10 @@ pub(crate) struct PolicyCore {
 }
 
 impl PolicyCore {
+    /// The policy, locked; a contended lock is waited for detached from the interpreter (see
+    /// `ManagerCore::acquire`). No Python code runs while it is held.
     fn lock(&self, py: Python<'_>) -> PyResult<MutexGuard<'_, Inner>> {
-        self.inner.lock().map_err(|_| poisoned(py))
+        self.inner.lock_py_attached(py).map_err(|_| poisoned(py))
     }
 
     /// `(owner, generation, rank)` of the rank this context holds, if any.
