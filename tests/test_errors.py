@@ -301,8 +301,19 @@ def test_legal_neighbours_of_illegal_calls(make_manager: MakeManager) -> None:
         {"num_chunks": 4, "store_threshold": -1},
         {"num_chunks": 4, "store_threshold": 2, "max_tracker_size": 0},
         {"num_chunks": 4, "store_threshold": 3, "max_tracker_size": -5},
+        {"num_chunks": 4, "store_threshold": 0, "max_tracker_size": 2**63},
+        {"num_chunks": 4, "store_threshold": 0, "max_tracker_size": -(2**70)},
+        {"num_chunks": 4, "store_threshold": 2**63},
     ],
-    ids=["negative-chunks", "negative-threshold", "zero-tracker", "negative-tracker"],
+    ids=[
+        "negative-chunks",
+        "negative-threshold",
+        "zero-tracker",
+        "negative-tracker",
+        "tracker-past-int64",
+        "tracker-below-int64",
+        "threshold-past-int64",
+    ],
 )
 def test_invalid_constructor_arguments(make_manager: MakeManager, kwargs: dict[str, int]) -> None:
     args = dict(kwargs)  # the parameter dict is shared by both implementations' runs

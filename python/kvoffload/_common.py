@@ -65,6 +65,12 @@ def check_constructor_args(
         raise InvalidArgumentError(f"num_chunks must fit an int32 chunk id, got {num_chunks}")
     if store_threshold < 0:
         raise InvalidArgumentError(f"store_threshold must be >= 0, got {store_threshold}")
+    for label, value in (
+        ("store_threshold", store_threshold),
+        ("max_tracker_size", max_tracker_size),
+    ):
+        if not -(2**63) <= value < 2**63:
+            raise InvalidArgumentError(f"{label} must fit a signed 64-bit int, got {value}")
     if store_threshold >= 2 and max_tracker_size < 1:
         raise InvalidArgumentError(
             f"max_tracker_size must be >= 1 when store_threshold >= 2, got {max_tracker_size}"
