@@ -60,7 +60,8 @@ class CPUOffloadingManager:
       ``reset_cache`` complete, and every later policy method of the call is still made, so
       the manager and the policy agree; the first exception is then raised;
     - an ``evict`` answer that breaks the contract raises `kvoffload.PolicyError`;
-    - a policy method that calls back into its manager gets `kvoffload.ReentrantCallError`.
+    - a policy method that calls back into its manager gets `kvoffload.ReentrantCallError`
+      (``lookup`` and ``lookup_prefix`` excepted: they read the slot table without the lock).
 
     Beyond vLLM: ``oldest_pending_write()`` and ``num_pending_writes()`` report pending writes;
     with ``pending_write_timeout`` set (seconds; None, the default, is vLLM's behaviour), a write
