@@ -5,9 +5,13 @@
 //! - One 64-byte line per slot: a state word (a 32-bit sequence number above a 32-bit state
 //!   code), the key's hash, the link to the next slot of the key's hash chain, the key length
 //!   and the key's first [`INLINE_KEY`] bytes (longer keys keep the rest with the writer).
-//! - One head per bucket: the first slot of the bucket's chain. Chains run through slot ids: a
-//!   resident key occupies exactly one slot, so the index needs no nodes of its own and never
-//!   grows (buckets: twice the next power of two at or above the pool size).
+//! - One 32-byte bucket per two slots (a power of two, at least 16): three entries, each the
+//!   high 32 bits of a key's hash (its tag) above its slot id, and the head of an overflow
+//!   chain. A lookup reads the bucket, then only the slot whose tag matches: two cache misses,
+//!   both prefetched for a batch. Entries never move; a key that finds its bucket's entries
+//!   taken joins the chain, which runs through slot ids (a resident key occupies exactly one
+//!   slot, so the chain needs no nodes of its own). A full pool loads a bucket with 1 to 2 keys,
+//!   so 2-14% of keys overflow. The index never grows.
 //! - A stack of slots whose last pin a lock-free completion released (see below).
 //!
 //! Arrays are zero-filled anonymous mappings: a pool of 10^7 chunks costs memory only for the
@@ -18,9 +22,10 @@
 //! - **One writer** at a time, the owner of the [`Slots`] (the manager, under its lock): keys
 //!   come and go, chunks are pinned, stores complete, and the queued releases are applied.
 //! - **Readers**, any number, any thread, lock-free: [`ChunkTable::probe`] and
-//!   [`ChunkTable::lookup_prefix`]. A reader walks a chain reading each slot between two loads
-//!   of its sequence number (the seqlock pattern, with atomic loads); if a writer changed the
-//!   slot in between, or the slot left the bucket, the reader starts again. A writer changes a
+//!   [`ChunkTable::lookup_prefix`]. A reader checks the bucket's entries, then walks the
+//!   overflow chain, reading each slot between two loads of its sequence number (the seqlock
+//!   pattern, with atomic loads); if a writer changed the slot in between, or a chained slot
+//!   left the bucket, the reader starts again. A writer changes a
 //!   slot's sequence number whenever the slot's key changes (odd while it rewrites the key), so
 //!   an answer is always one the table held at some instant during the call.
 //! - **Releasers**, any thread, lock-free: [`ChunkTable::release`] drops one pin per key by
@@ -142,6 +147,46 @@ unsafe impl Zeroable for Slot {
     }
 }
 
+/// Entries a bucket holds inline (under loom one, so that small models reach the chains).
+#[cfg(not(loom))]
+const ENTRIES: usize = 3;
+#[cfg(loom)]
+const ENTRIES: usize = 1;
+
+/// An entry: the high 32 bits of the key's hash (its tag) above the slot id plus one; 0 is
+/// empty.
+fn entry(hash: u64, c: ChunkId) -> u64 {
+    (hash & !0xffff_ffff) | u64::from(c + 1)
+}
+
+fn entry_slot(e: u64) -> Option<ChunkId> {
+    (e as u32).checked_sub(1)
+}
+
+fn entry_tag_matches(e: u64, hash: u64) -> bool {
+    e != 0 && (e ^ hash) >> 32 == 0
+}
+
+/// One bucket: a few keys' tags and slots inline, readable in one cache access, and the head of
+/// a chain through the slots for the rest (see the module docs). Entries never move: a key
+/// stays where it was put until it is removed.
+#[repr(C, align(32))]
+pub(crate) struct Bucket {
+    entries: [AtomicU64; ENTRIES],
+    /// The first slot of the overflow chain, plus one (0: none).
+    head: AtomicU32,
+}
+
+// SAFETY: atomics only, valid as zero bytes and without drop; under loom built by `zero()`.
+unsafe impl Zeroable for Bucket {
+    fn zero() -> Self {
+        Self {
+            entries: std::array::from_fn(|_| AtomicU64::zero()),
+            head: AtomicU32::zero(),
+        }
+    }
+}
+
 /// Whether a slot's inline key matches `key`, read with relaxed loads (the caller validates).
 enum Match {
     No,
@@ -239,7 +284,7 @@ enum Found {
 /// The shared table; see the module docs.
 pub struct ChunkTable {
     slots: ZeroArray<Slot>,
-    heads: ZeroArray<AtomicU32>,
+    buckets: ZeroArray<Bucket>,
     mask: usize,
     /// Release-stack link of each slot: [`UNQUEUED`], [`CLAIMED`], [`END`] or the next + 1.
     links: ZeroArray<AtomicU32>,
@@ -250,12 +295,12 @@ pub struct ChunkTable {
 impl ChunkTable {
     fn new(num_chunks: u32) -> Option<Self> {
         let n = num_chunks as usize;
-        // At least twice the slots: a full pool loads the buckets to 1/4..1/2, so a key is
-        // the first of its chain (the slot a batch prefetches) about 80% of the time or more.
-        let buckets = n.max(8).next_power_of_two() * 2;
+        // Half as many buckets as slots, each holding three keys inline: a full pool loads
+        // them to 1..2 keys, and 2-14% of keys overflow into a chain.
+        let buckets = (n.next_power_of_two() / 2).max(16);
         Some(Self {
             slots: ZeroArray::new(n)?,
-            heads: ZeroArray::new(buckets)?,
+            buckets: ZeroArray::new(buckets)?,
             mask: buckets - 1,
             links: ZeroArray::new(n)?,
             top: AtomicU32::zero(),
@@ -276,8 +321,42 @@ impl ChunkTable {
     fn find_word(&self, key: &[u8], hash: u64) -> Found {
         let want = key_words(key);
         let b = self.bucket(hash);
+        let bucket = &self.buckets[b];
         'restart: loop {
-            let mut link = self.heads[b].load(Ordering::Acquire);
+            for e in &bucket.entries {
+                let e = e.load(Ordering::Acquire);
+                if !entry_tag_matches(e, hash) {
+                    continue;
+                }
+                let Some(c) = entry_slot(e) else { continue };
+                let Some(slot) = self.slots.get(c as usize) else {
+                    backoff();
+                    continue 'restart;
+                };
+                let w1 = slot.state.load(Ordering::Acquire);
+                if seq_of(w1) & 1 == 1 {
+                    backoff();
+                    continue 'restart;
+                }
+                let h = slot.hash.load(Ordering::Relaxed);
+                let m = if code_of(w1) != ABSENT && h == hash {
+                    slot.matches(key, &want)
+                } else {
+                    Match::No
+                };
+                fence(Ordering::Acquire);
+                let w2 = slot.state.load(Ordering::Relaxed);
+                if seq_of(w2) != seq_of(w1) {
+                    backoff();
+                    continue 'restart;
+                }
+                match m {
+                    Match::Yes => return Found::At(c, w2),
+                    Match::Long => return Found::Unsure,
+                    Match::No => {}
+                }
+            }
+            let mut link = bucket.head.load(Ordering::Acquire);
             // A chain never holds more slots than the table: more steps mean a concurrent
             // writer moved slots under this reader.
             let mut steps = 0usize;
@@ -358,14 +437,26 @@ impl ChunkTable {
             return;
         }
         for &h in hashes {
-            prefetch(&self.heads[self.bucket(h)]);
+            prefetch(&self.buckets[self.bucket(h)]);
         }
         for &h in hashes {
-            let link = self.heads[self.bucket(h)].load(Ordering::Relaxed);
-            if let Some(slot) = link.checked_sub(1).and_then(|c| self.slots.get(c as usize)) {
+            if let Some(slot) = self.candidate(h).and_then(|c| self.slots.get(c as usize)) {
                 prefetch(slot);
             }
         }
+    }
+
+    /// The slot of the first entry whose tag matches `hash`, else the first of the overflow
+    /// chain, without comparing keys: a guess to prefetch.
+    fn candidate(&self, hash: u64) -> Option<ChunkId> {
+        let bucket = &self.buckets[self.bucket(hash)];
+        bucket
+            .entries
+            .iter()
+            .map(|e| e.load(Ordering::Relaxed))
+            .find(|&e| entry_tag_matches(e, hash))
+            .and_then(entry_slot)
+            .or_else(|| bucket.head.load(Ordering::Relaxed).checked_sub(1))
     }
 
     /// Drop one pin per key (a key listed twice drops two), lock-free; see the module docs.
@@ -560,7 +651,25 @@ impl Slots {
     #[must_use]
     pub fn find(&self, key: &[u8], hash: u64) -> Option<ChunkId> {
         let t = &*self.table;
-        let mut link = t.heads[t.bucket(hash)].load(Ordering::Relaxed);
+        let bucket = &t.buckets[t.bucket(hash)];
+        for e in &bucket.entries {
+            let e = e.load(Ordering::Relaxed);
+            if !entry_tag_matches(e, hash) {
+                continue;
+            }
+            let Some(c) = entry_slot(e) else { continue };
+            let slot = self.slot(c);
+            if slot.hash.load(Ordering::Relaxed) == hash {
+                match slot.holds(key) {
+                    Match::Yes => return Some(c),
+                    Match::Long if self.long.get(&c).is_some_and(|k| **k == *key) => {
+                        return Some(c)
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let mut link = bucket.head.load(Ordering::Relaxed);
         while link != 0 {
             let c = link - 1;
             let slot = self.slot(c);
@@ -583,16 +692,14 @@ impl Slots {
     #[inline]
     #[must_use]
     pub fn candidate(&self, hash: u64) -> Option<ChunkId> {
-        let t = &*self.table;
-        let link = t.heads[t.bucket(hash)].load(Ordering::Relaxed);
-        (link != 0).then(|| link - 1)
+        self.table.candidate(hash)
     }
 
     /// Start loading the bucket of `hash`; changes nothing.
     #[inline]
     pub fn prefetch_bucket(&self, hash: u64) {
         let t = &*self.table;
-        prefetch(&t.heads[t.bucket(hash)]);
+        prefetch(&t.buckets[t.bucket(hash)]);
     }
 
     /// Start loading slot `c`; changes nothing (any id).
@@ -646,12 +753,26 @@ impl Slots {
         for (w, x) in slot.words.iter().zip(key_words(key)) {
             w.store(x, Ordering::Relaxed);
         }
-        let head = &t.heads[t.bucket(hash)];
-        slot.next
-            .store(head.load(Ordering::Relaxed), Ordering::Relaxed);
+        let bucket = &t.buckets[t.bucket(hash)];
+        let free = bucket
+            .entries
+            .iter()
+            .find(|e| e.load(Ordering::Relaxed) == 0);
+        let head = &bucket.head;
+        slot.next.store(
+            if free.is_some() {
+                0
+            } else {
+                head.load(Ordering::Relaxed)
+            },
+            Ordering::Relaxed,
+        );
         slot.state
             .store(word((seq | 1).wrapping_add(1), PENDING), Ordering::Release);
-        head.store(c + 1, Ordering::Release);
+        match free {
+            Some(e) => e.store(entry(hash, c), Ordering::Release),
+            None => head.store(c + 1, Ordering::Release),
+        }
         if key.len() > INLINE_KEY {
             self.long.insert(c, key.into());
         }
@@ -675,19 +796,27 @@ impl Slots {
         // Unlink: the slot keeps its own link, so a reader standing on it still reaches the
         // rest of the chain.
         let next = slot.next.load(Ordering::Relaxed);
-        let head = &t.heads[t.bucket(slot.hash.load(Ordering::Relaxed))];
-        let mut link = head;
-        loop {
-            let l = link.load(Ordering::Relaxed);
-            if l == 0 {
-                debug_assert!(false, "slot {c} is not in its chain");
-                break;
+        let bucket = &t.buckets[t.bucket(slot.hash.load(Ordering::Relaxed))];
+        let inline = bucket
+            .entries
+            .iter()
+            .find(|e| entry_slot(e.load(Ordering::Relaxed)) == Some(c));
+        let mut link = &bucket.head;
+        if let Some(e) = inline {
+            e.store(0, Ordering::Release);
+        } else {
+            loop {
+                let l = link.load(Ordering::Relaxed);
+                if l == 0 {
+                    debug_assert!(false, "slot {c} is not in its chain");
+                    break;
+                }
+                if l == c + 1 {
+                    link.store(next, Ordering::Release);
+                    break;
+                }
+                link = &t.slots[l as usize - 1].next;
             }
-            if l == c + 1 {
-                link.store(next, Ordering::Release);
-                break;
-            }
-            link = &t.slots[l as usize - 1].next;
         }
         self.long.remove(&c);
         self.len -= 1;
@@ -704,9 +833,14 @@ impl Slots {
                     .store(word(seq_of(w).wrapping_add(2), ABSENT), Ordering::Release);
             }
         }
-        for h in t.heads.iter() {
-            if h.load(Ordering::Relaxed) != 0 {
-                h.store(0, Ordering::Release);
+        for b in t.buckets.iter() {
+            for e in &b.entries {
+                if e.load(Ordering::Relaxed) != 0 {
+                    e.store(0, Ordering::Release);
+                }
+            }
+            if b.head.load(Ordering::Relaxed) != 0 {
+                b.head.store(0, Ordering::Release);
             }
         }
         self.long.clear();
@@ -937,8 +1071,27 @@ impl Slots {
             self.len
         );
         let mut chained = 0;
-        for (b, head) in t.heads.iter().enumerate() {
-            let mut link = head.load(Ordering::Acquire);
+        for (b, bucket) in t.buckets.iter().enumerate() {
+            for e in &bucket.entries {
+                let Some(c) = entry_slot(e.load(Ordering::Acquire)) else {
+                    continue;
+                };
+                ensure!(
+                    (c as usize) < self.used,
+                    "table: bucket {b} names slot {c} past the slots"
+                );
+                ensure!(
+                    self.resident(c),
+                    "table: absent slot {c} still in bucket {b}"
+                );
+                ensure!(
+                    t.bucket(self.hash(c)) == b
+                        && entry_tag_matches(e.load(Ordering::Acquire), self.hash(c)),
+                    "table: slot {c} in the wrong bucket or under a wrong tag"
+                );
+                chained += 1;
+            }
+            let mut link = bucket.head.load(Ordering::Acquire);
             while link != 0 {
                 let c = link - 1;
                 ensure!(

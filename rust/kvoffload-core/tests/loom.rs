@@ -40,24 +40,27 @@ fn colliding(b: u64, n: usize) -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// Chain a -> b (a inserted last, at the head); the writer drops a and gives its slot to `c`.
-fn reader_during_rebuild(c_bucket: u64) {
+/// Bucket 0 holds `b` in its one entry (under loom) and `a` in its chain. The writer removes the
+/// key of slot `gone` (0: `b`, from the entry; 1: `a`, from the chain) and gives that slot to
+/// `c`, in the same bucket or in another one. The reader looks for the key that stays.
+fn reader_during_rebuild(gone: u32, c_bucket: u64) {
     model(move || {
         let same = colliding(0, 2);
         let c_key = colliding(c_bucket, 3).pop().unwrap();
-        let (a_key, b_key) = (same[1].clone(), same[0].clone());
+        let (b_key, a_key) = (same[0].clone(), same[1].clone());
         let mut t = ready(2, &[&b_key, &a_key]);
         let shared = t.shared();
+        let stays = if gone == 0 { a_key } else { b_key };
         let c2 = c_key.clone();
         let reader = thread::spawn(move || {
-            let b = shared.probe(&b_key, hash_key(&b_key));
+            let s = shared.probe(&stays, hash_key(&stays));
             let c = shared.probe(&c2, hash_key(&c2));
-            (b, c)
+            (s, c)
         });
-        t.remove(1);
-        t.insert(1, &c_key, hash_key(&c_key));
-        let (b, c) = reader.join().unwrap();
-        assert_eq!(b, Probe::Ready, "b is resident throughout");
+        t.remove(gone);
+        t.insert(gone, &c_key, hash_key(&c_key));
+        let (s, c) = reader.join().unwrap();
+        assert_eq!(s, Probe::Ready, "the other key is resident throughout");
         assert!(matches!(c, Probe::Miss | Probe::Pending));
         t.validate().unwrap();
     });
@@ -65,12 +68,22 @@ fn reader_during_rebuild(c_bucket: u64) {
 
 #[test]
 fn a_reader_never_misses_a_resident_key_while_its_chain_is_rebuilt() {
-    reader_during_rebuild(0);
+    reader_during_rebuild(1, 0);
 }
 
 #[test]
 fn a_reader_standing_on_a_slot_moved_to_another_chain_starts_again() {
-    reader_during_rebuild(1);
+    reader_during_rebuild(1, 1);
+}
+
+#[test]
+fn a_reader_passing_an_entry_that_is_emptied_and_refilled_finds_the_chained_key() {
+    reader_during_rebuild(0, 0);
+}
+
+#[test]
+fn a_reader_passing_an_entry_whose_slot_moved_to_another_bucket_finds_the_chained_key() {
+    reader_during_rebuild(0, 1);
 }
 
 #[test]
