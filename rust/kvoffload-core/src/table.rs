@@ -323,12 +323,12 @@ impl ChunkTable {
         let b = self.bucket(hash);
         let bucket = &self.buckets[b];
         'restart: loop {
-            for e in &bucket.entries {
-                let e = e.load(Ordering::Acquire);
-                if !entry_tag_matches(e, hash) {
+            for entry in &bucket.entries {
+                let entry = entry.load(Ordering::Acquire);
+                if !entry_tag_matches(entry, hash) {
                     continue;
                 }
-                let Some(c) = entry_slot(e) else { continue };
+                let Some(c) = entry_slot(entry) else { continue };
                 let Some(slot) = self.slots.get(c as usize) else {
                     backoff();
                     continue 'restart;
