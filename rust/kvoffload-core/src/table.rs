@@ -113,12 +113,17 @@ fn key_words(key: &[u8]) -> [u64; WORDS] {
     }
     let tail = whole.remainder();
     if !tail.is_empty() {
-        w[inline.len() / 8] = tail
-            .iter()
-            .rev()
-            .fold(0u64, |acc, &byte| (acc << 8) | u64::from(byte));
+        w[inline.len() / 8] = tail_word(tail);
     }
     w
+}
+
+/// The last, partial word of a key (its bytes little-endian, zero above), byte by byte.
+#[inline]
+fn tail_word(tail: &[u8]) -> u64 {
+    tail.iter()
+        .rev()
+        .fold(0u64, |acc, &byte| (acc << 8) | u64::from(byte))
 }
 
 /// One slot: see the module docs.
@@ -214,14 +219,10 @@ impl Slot {
             }
         }
         let tail = whole.remainder();
-        if !tail.is_empty() {
-            let x = tail
-                .iter()
-                .rev()
-                .fold(0u64, |acc, &byte| (acc << 8) | u64::from(byte));
-            if words.next().map(|w| w.load(Ordering::Relaxed)) != Some(x) {
-                return Match::No;
-            }
+        if !tail.is_empty()
+            && words.next().map(|w| w.load(Ordering::Relaxed)) != Some(tail_word(tail))
+        {
+            return Match::No;
         }
         if key.len() > INLINE_KEY {
             Match::Long
@@ -317,6 +318,33 @@ impl ChunkTable {
         (hash as usize) & self.mask
     }
 
+    /// Read slot `c` for `key` between two loads of its sequence number: `None` if a writer
+    /// disturbed it (the caller starts again), else whether it holds `key`, the state word read
+    /// last, the slot's hash and its chain link.
+    fn read_slot(
+        &self,
+        c: ChunkId,
+        key: &[u8],
+        want: &[u64; WORDS],
+        hash: u64,
+    ) -> Option<(Match, u64, u64, u32)> {
+        let slot = self.slots.get(c as usize)?;
+        let w1 = slot.state.load(Ordering::Acquire);
+        if seq_of(w1) & 1 == 1 {
+            return None;
+        }
+        let h = slot.hash.load(Ordering::Relaxed);
+        let next = slot.next.load(Ordering::Relaxed);
+        let m = if code_of(w1) != ABSENT && h == hash {
+            slot.matches(key, want)
+        } else {
+            Match::No
+        };
+        fence(Ordering::Acquire);
+        let w2 = slot.state.load(Ordering::Relaxed);
+        (seq_of(w2) == seq_of(w1)).then_some((m, w2, h, next))
+    }
+
     /// The slot holding `key` and its state word; lock-free (see the module docs).
     fn find_word(&self, key: &[u8], hash: u64) -> Found {
         let want = key_words(key);
@@ -329,29 +357,12 @@ impl ChunkTable {
                     continue;
                 }
                 let Some(c) = entry_slot(entry) else { continue };
-                let Some(slot) = self.slots.get(c as usize) else {
+                let Some((m, w, _, _)) = self.read_slot(c, key, &want, hash) else {
                     backoff();
                     continue 'restart;
                 };
-                let w1 = slot.state.load(Ordering::Acquire);
-                if seq_of(w1) & 1 == 1 {
-                    backoff();
-                    continue 'restart;
-                }
-                let h = slot.hash.load(Ordering::Relaxed);
-                let m = if code_of(w1) != ABSENT && h == hash {
-                    slot.matches(key, &want)
-                } else {
-                    Match::No
-                };
-                fence(Ordering::Acquire);
-                let w2 = slot.state.load(Ordering::Relaxed);
-                if seq_of(w2) != seq_of(w1) {
-                    backoff();
-                    continue 'restart;
-                }
                 match m {
-                    Match::Yes => return Found::At(c, w2),
+                    Match::Yes => return Found::At(c, w),
                     Match::Long => return Found::Unsure,
                     Match::No => {}
                 }
@@ -362,34 +373,17 @@ impl ChunkTable {
             let mut steps = 0usize;
             while link != 0 {
                 steps += 1;
-                let Some(slot) = self.slots.get(link as usize - 1) else {
+                let c = link - 1;
+                let read = self.read_slot(c, key, &want, hash);
+                // A chained slot that left the bucket leads into another chain.
+                let Some((m, w, _, next)) =
+                    read.filter(|&(_, _, h, _)| self.bucket(h) == b && steps <= self.slots.len())
+                else {
                     backoff();
                     continue 'restart;
                 };
-                if steps > self.slots.len() {
-                    backoff();
-                    continue 'restart;
-                }
-                let w1 = slot.state.load(Ordering::Acquire);
-                if seq_of(w1) & 1 == 1 {
-                    backoff();
-                    continue 'restart;
-                }
-                let h = slot.hash.load(Ordering::Relaxed);
-                let next = slot.next.load(Ordering::Relaxed);
-                let m = if code_of(w1) != ABSENT && h == hash {
-                    slot.matches(key, &want)
-                } else {
-                    Match::No
-                };
-                fence(Ordering::Acquire);
-                let w2 = slot.state.load(Ordering::Relaxed);
-                if seq_of(w2) != seq_of(w1) || self.bucket(h) != b {
-                    backoff();
-                    continue 'restart;
-                }
                 match m {
-                    Match::Yes => return Found::At(link - 1, w2),
+                    Match::Yes => return Found::At(c, w),
                     Match::Long => return Found::Unsure,
                     Match::No => link = next,
                 }
@@ -652,40 +646,38 @@ impl Slots {
     pub fn find(&self, key: &[u8], hash: u64) -> Option<ChunkId> {
         let t = &*self.table;
         let bucket = &t.buckets[t.bucket(hash)];
-        for e in &bucket.entries {
-            let e = e.load(Ordering::Relaxed);
-            if !entry_tag_matches(e, hash) {
-                continue;
-            }
-            let Some(c) = entry_slot(e) else { continue };
-            let slot = self.slot(c);
-            if slot.hash.load(Ordering::Relaxed) == hash {
-                match slot.holds(key) {
-                    Match::Yes => return Some(c),
-                    Match::Long if self.long.get(&c).is_some_and(|k| **k == *key) => {
-                        return Some(c)
-                    }
-                    _ => {}
-                }
-            }
+        let inline = bucket
+            .entries
+            .iter()
+            .map(|e| e.load(Ordering::Relaxed))
+            .filter(|&e| entry_tag_matches(e, hash))
+            .filter_map(entry_slot)
+            .find(|&c| self.holds(c, key, hash));
+        if inline.is_some() {
+            return inline;
         }
         let mut link = bucket.head.load(Ordering::Relaxed);
         while link != 0 {
             let c = link - 1;
-            let slot = self.slot(c);
-            // Keys are compared only on a hash match (almost always the key itself).
-            if slot.hash.load(Ordering::Relaxed) == hash {
-                match slot.holds(key) {
-                    Match::Yes => return Some(c),
-                    Match::Long if self.long.get(&c).is_some_and(|k| **k == *key) => {
-                        return Some(c)
-                    }
-                    _ => {}
-                }
+            if self.holds(c, key, hash) {
+                return Some(c);
             }
-            link = slot.next.load(Ordering::Relaxed);
+            link = self.slot(c).next.load(Ordering::Relaxed);
         }
         None
+    }
+
+    /// Whether slot `c` holds `key` (hashing to `hash`); keys are compared only on a hash match
+    /// (almost always the key itself).
+    #[inline]
+    fn holds(&self, c: ChunkId, key: &[u8], hash: u64) -> bool {
+        let slot = self.slot(c);
+        slot.hash.load(Ordering::Relaxed) == hash
+            && match slot.holds(key) {
+                Match::Yes => true,
+                Match::Long => self.long.get(&c).is_some_and(|k| **k == *key),
+                Match::No => false,
+            }
     }
 
     /// The first slot of `hash`'s chain, without comparing keys: a guess to prefetch.
@@ -725,11 +717,14 @@ impl Slots {
     /// A copy of slot `c`'s key (meaningful while resident).
     #[must_use]
     pub fn key(&self, c: ChunkId) -> KeyBuf {
-        if let Some(k) = self.long.get(&c) {
-            return KeyBuf::from_slice(k);
-        }
         let slot = self.slot(c);
-        let len = (slot.len.load(Ordering::Relaxed) as usize).min(INLINE_KEY);
+        let len = slot.len.load(Ordering::Relaxed) as usize;
+        if len > INLINE_KEY {
+            if let Some(k) = self.long.get(&c) {
+                return KeyBuf::from_slice(k);
+            }
+        }
+        let len = len.min(INLINE_KEY);
         let mut bytes = [0u8; INLINE_KEY];
         for (i, w) in slot.words.iter().enumerate().take(len.div_ceil(8)) {
             bytes[i * 8..i * 8 + 8].copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
