@@ -479,3 +479,56 @@ def test_failed_store_keeps_request_inserted_keys(make_manager: MakeManager) -> 
     m.on_request_finished(req)  # inserted-only: 2 moves to T1's newest end, not to T2
     assert arc_lists(m) == (ks(1, 3, 2), [], [], [])
     m.check_invariants()
+
+
+# === Call shape ================================================================================
+
+
+def test_calls_take_vllm_keyword_names(make_manager: MakeManager) -> None:
+    m = make_manager(4, enable_events=True)
+    ctx = ReqContext(req_id="")
+    out = m.prepare_store(keys=ks(1, 2), req_context=ctx)
+    assert out.keys_to_store == ks(1, 2)
+    m.complete_store(keys=ks(1, 2), req_context=ctx, success=True)
+    assert m.lookup(key=k(1), req_context=ctx) == HIT
+    assert m.lookup_prefix(keys=ks(1, 2, 3), req_context=ctx) == 2
+    assert chunk_ids(m.prepare_load(keys=ks(2), req_context=ctx)) == [1]
+    m.complete_load(keys=ks(2), req_context=ctx)
+    m.touch(keys=ks(1), req_context=ctx)
+    assert m.resident() == {k(1): (0, 0), k(2): (1, 0)}
+    m.check_invariants()
+
+
+@pytest.mark.parametrize(("success", "kept"), [(0, False), ("", False), (1, True), ("yes", True)])
+def test_complete_store_reads_success_as_a_condition(
+    make_manager: MakeManager, success: object, kept: bool
+) -> None:
+    m = make_manager(4)
+    ctx = ReqContext(req_id="")
+    m.prepare_store(ks(1), ctx)
+    m.complete_store(ks(1), ctx, success)
+    assert m.lookup(k(1), ctx) == (HIT if kept else MISS)
+    m.check_invariants()
+
+
+def test_hot_calls_cross_into_rust_directly() -> None:
+    from kvoffload import CPUOffloadingManager
+    from kvoffload.manager import _DIRECT_CALLS
+
+    class Counting(CPUOffloadingManager):
+        looked_up = 0
+
+        def lookup(self, key: bytes, req_context: object) -> object:
+            Counting.looked_up += 1
+            return super().lookup(key, req_context)
+
+    plain, counting = CPUOffloadingManager(4), Counting(4)
+    for name in _DIRECT_CALLS:
+        # The core's own method: no Python frame between the caller and Rust.
+        assert getattr(plain, name) == getattr(plain._core, name)
+        assert type(getattr(plain, name)).__name__ == "builtin_function_or_method"
+    # A subclass's override is kept; the calls it does not override still go straight in.
+    ctx = ReqContext(req_id="")
+    assert counting.lookup(k(1), ctx) == MISS
+    assert Counting.looked_up == 1
+    assert counting.prepare_store == counting._core.prepare_store

@@ -39,6 +39,18 @@ from kvoffload.types import (
 
 __all__ = ["CPUOffloadingManager"]
 
+#: The calls whose methods below state the API, answered by the core's methods of the same
+#: name and signature (see ``CPUOffloadingManager.__init__``).
+_DIRECT_CALLS = (
+    "lookup",
+    "lookup_prefix",
+    "prepare_load",
+    "complete_load",
+    "touch",
+    "prepare_store",
+    "complete_store",
+)
+
 
 class CPUOffloadingManager:
     """Scheduler-side manager of a host pool of ``num_chunks`` KV chunks (Rust core).
@@ -129,6 +141,13 @@ class CPUOffloadingManager:
         self._num_chunks = num_chunks
         self._config_info = config_info_of(info)
         self._lock = threading.Lock()
+        # The hot calls go straight to the core: each method below that this class does not
+        # override is shadowed by the core's bound method, which takes the same arguments, so a
+        # call costs one crossing into Rust and no Python frame.
+        cls = type(self)
+        for name in _DIRECT_CALLS:
+            if getattr(cls, name) is getattr(CPUOffloadingManager, name):
+                setattr(self, name, getattr(self._core, name))
 
     @property
     def policy(self) -> Any:
@@ -184,7 +203,7 @@ class CPUOffloadingManager:
 
     def complete_store(self, keys: Iterable[bytes], req_context: Any, success: bool = True) -> None:
         """Make pending keys readable, or drop them when the store failed."""
-        self._core.complete_store(keys, bool(success))
+        self._core.complete_store(keys, req_context, success)
 
     # --- requests ---
 

@@ -152,7 +152,7 @@ class ShadowSet:
         for s, ctx in zip(self.shadows, self._contexts(live_ctx), strict=True):
             out = s.core.prepare_store(keys, ctx)
             if out is not None and out.keys_to_store:
-                s.core.complete_store(out.keys_to_store, True)
+                s.core.complete_store(out.keys_to_store, success=True)
 
     def on_new_request(self, live_ctx: Any) -> None:
         """Give each shadow's context its request state."""

@@ -420,6 +420,18 @@ impl ManagerCore {
     }
 }
 
+/// A flag read as Python reads a condition (`bool(obj)`), as vLLM's `success` is used.
+#[derive(Clone, Copy)]
+struct Truthy(bool);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Truthy {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        obj.is_truthy().map(Truthy)
+    }
+}
+
 fn lookup_index(l: Lookup) -> usize {
     match l {
         Lookup::Miss => 0,
@@ -577,8 +589,15 @@ impl ManagerCore {
         Ok(self.types(py)?.lookup[lookup_index(found)].bind(py).clone())
     }
 
-    /// Number of leading keys that are HIT.
-    fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+    /// Number of leading keys that are HIT; the context is not read.
+    #[pyo3(signature = (keys, req_context=None))]
+    fn lookup_prefix(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let _ = req_context;
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
         // The lock if free, else the lock-free table (a long key needs the lock after all).
@@ -598,10 +617,10 @@ impl ManagerCore {
         &self,
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
-        ctx: &Bound<'py, PyAny>,
+        req_context: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let keys = Keys::extract(keys)?;
-        let ctx = Context::new(ctx)?;
+        let ctx = Context::new(req_context)?;
         let positions = self.positions(&ctx, &keys)?;
         let (state, fresh) = self.request_state(py, &ctx)?;
         // Installed first: a context's `set_state` may raise, and must do so before any change.
@@ -624,8 +643,15 @@ impl ManagerCore {
         spec(py, self.types(py)?, &chunks)
     }
 
-    /// Release one pin per key.
-    fn complete_load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// Release one pin per key; the context is not read.
+    #[pyo3(signature = (keys, req_context=None))]
+    fn complete_load(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let _ = req_context;
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
         // With a built-in policy: the lock if free, else a lock-free release that the next
@@ -664,7 +690,7 @@ impl ManagerCore {
         &self,
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
-        ctx: &Bound<'py, PyAny>,
+        req_context: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         // The clock is read, and overdue writes expire, before anything else.
         let now = self.liveness.store_reading(py)?;
@@ -672,7 +698,7 @@ impl ManagerCore {
             self.expire(py, now, timeout)?;
         }
         let keys = Keys::extract(keys)?;
-        let ctx = Context::new(ctx)?;
+        let ctx = Context::new(req_context)?;
         let positions = self.positions(&ctx, &keys)?;
         let (state, fresh) = self.request_state(py, &ctx)?;
         // Installed first: a context's `set_state` may raise, and must do so before any change
@@ -742,13 +768,20 @@ impl ManagerCore {
         Ok(Some(output))
     }
 
-    /// Finish stores (`success=False`: drop them).
+    /// Finish stores (a false `success`: drop them); the context is not read.
+    #[pyo3(
+        signature = (keys, req_context=None, success=Truthy(true)),
+        text_signature = "($self, keys, req_context=None, success=True)"
+    )]
     fn complete_store(
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyAny>,
-        success: bool,
+        req_context: Option<&Bound<'_, PyAny>>,
+        success: Truthy,
     ) -> PyResult<()> {
+        let _ = req_context;
+        let Truthy(success) = success;
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
         let (dropped, raised) = self.policy_call(py, None, &keys.objs, None, |m, _| {
