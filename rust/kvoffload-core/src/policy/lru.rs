@@ -64,10 +64,12 @@ impl LruPolicy {
         if self.order.contains(chunk) {
             self.order.remove(chunk);
             self.order.insert(chunk, rank);
-        } else {
-            // A pinned chunk held at its old rank: detach it; `mark_evictable` re-inserts it.
+        } else if self.order.held_key_of(chunk).is_some() {
+            // A pinned chunk held at its old rank: held at the new one, so its release is O(1).
             self.order.remove(chunk);
+            self.order.insert_held(chunk, rank);
         }
+        // Otherwise pending, or pinned and detached by a scan: `mark_evictable` inserts it.
         self.ranks[chunk as usize] = rank;
     }
 

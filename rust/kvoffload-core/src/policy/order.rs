@@ -222,6 +222,14 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
         self.len -= 1;
     }
 
+    /// Add `c` (neither a member nor held) as an entry held at `k`, as if inserted at `k` and
+    /// then held: a pinned chunk given a new key keeps a place there, so its release at `k`
+    /// costs O(1) instead of an insertion that most likely lands in the tree.
+    pub(crate) fn insert_held(&mut self, c: ChunkId, k: K) {
+        self.insert(c, k);
+        self.hold(c);
+    }
+
     /// Make `c` a member again with sort key `k`: in O(1) if it is still held at `k`.
     pub(crate) fn release(&mut self, c: ChunkId, k: K) {
         let i = c as usize;
@@ -444,6 +452,31 @@ mod tests {
         assert_eq!(
             o.iter(&mut Vec::new()).collect::<Vec<_>>(),
             vec![(5, 3), (10, 1), (20, 2), (25, 0)]
+        );
+        o.validate().unwrap();
+    }
+
+    #[test]
+    fn a_held_entry_given_a_new_key_is_released_there_in_place() {
+        let mut o: EvictionOrder<u64> = EvictionOrder::new();
+        o.grow(3);
+        o.insert(0, 10);
+        o.insert(1, 20);
+        o.hold(0);
+        o.remove(0);
+        o.insert_held(0, 30); // a pinned chunk given the newest key: held at the tail
+        assert!(o.tree.is_empty());
+        assert_eq!((o.len(), o.held_key_of(0)), (1, Some(30)));
+        o.insert(2, 40);
+        o.validate().unwrap();
+        let mut held = Vec::new();
+        assert_eq!(o.iter(&mut held).count(), 2);
+        assert_eq!(held, vec![0]);
+        o.release(0, 30); // no scan detached it: back in place, not in the tree
+        assert!(o.tree.is_empty());
+        assert_eq!(
+            o.iter(&mut Vec::new()).collect::<Vec<_>>(),
+            vec![(20, 1), (30, 0), (40, 2)]
         );
         o.validate().unwrap();
     }
