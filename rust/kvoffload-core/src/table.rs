@@ -99,31 +99,39 @@ fn pins_of(code: u32) -> u32 {
     code.saturating_sub(READY)
 }
 
-/// The key's bytes as the words a slot stores (zero past the end). Whole words are read as
-/// such and the tail byte by byte: no call to `memcpy` on the lookup path.
+/// The key's bytes as the words a slot stores (zero past the end).
 #[inline]
 fn key_words(key: &[u8]) -> [u64; WORDS] {
-    let mut w = [0u64; WORDS];
     let inline = &key[..key.len().min(INLINE_KEY)];
-    let mut whole = inline.chunks_exact(8);
-    for (x, c) in w.iter_mut().zip(&mut whole) {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(c);
-        *x = u64::from_le_bytes(b);
-    }
-    let tail = whole.remainder();
-    if !tail.is_empty() {
-        w[inline.len() / 8] = tail_word(tail);
+    let mut w = [0u64; WORDS];
+    for (i, x) in w.iter_mut().enumerate().take(inline.len().div_ceil(8)) {
+        *x = word_at(inline, i);
     }
     w
 }
 
-/// The last, partial word of a key (its bytes little-endian, zero above), byte by byte.
+/// Word `i` of `inline` (at most [`INLINE_KEY`] bytes, `8 * i < inline.len()`): its bytes
+/// little-endian, zero past the end. A partial last word of a key of 8 bytes or more is read
+/// as the key's last 8 bytes shifted down, so no word is assembled byte by byte (and no call
+/// to `memcpy` is made) on the lookup path.
 #[inline]
-fn tail_word(tail: &[u8]) -> u64 {
-    tail.iter()
-        .rev()
-        .fold(0u64, |acc, &byte| (acc << 8) | u64::from(byte))
+fn word_at(inline: &[u8], i: usize) -> u64 {
+    let (start, n) = (8 * i, inline.len());
+    let load = |at: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&inline[at..at + 8]);
+        u64::from_le_bytes(b)
+    };
+    if start + 8 <= n {
+        load(start)
+    } else if n >= 8 {
+        load(n - 8) >> (8 * (start + 8 - n))
+    } else {
+        inline[start..]
+            .iter()
+            .rev()
+            .fold(0u64, |acc, &byte| (acc << 8) | u64::from(byte))
+    }
 }
 
 /// One slot: see the module docs.
@@ -209,20 +217,10 @@ impl Slot {
             return Match::No;
         }
         let inline = &key[..key.len().min(INLINE_KEY)];
-        let mut whole = inline.chunks_exact(8);
-        let mut words = self.words.iter();
-        for (c, w) in (&mut whole).zip(&mut words) {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(c);
-            if w.load(Ordering::Relaxed) != u64::from_le_bytes(b) {
+        for (i, w) in self.words.iter().enumerate().take(inline.len().div_ceil(8)) {
+            if w.load(Ordering::Relaxed) != word_at(inline, i) {
                 return Match::No;
             }
-        }
-        let tail = whole.remainder();
-        if !tail.is_empty()
-            && words.next().map(|w| w.load(Ordering::Relaxed)) != Some(tail_word(tail))
-        {
-            return Match::No;
         }
         if key.len() > INLINE_KEY {
             Match::Long
@@ -1151,6 +1149,29 @@ mod tests {
             .filter(|k| hash_key(k) % 64 == b)
             .take(n)
             .collect()
+    }
+
+    #[test]
+    fn key_words_are_the_bytes_little_endian_zero_padded() {
+        let bytes: Vec<u8> = (1..=48u8).map(|b| b.wrapping_mul(37)).collect();
+        for n in 0..=bytes.len() {
+            let key = &bytes[..n];
+            let mut want = [0u64; WORDS];
+            for (j, &b) in key.iter().take(INLINE_KEY).enumerate() {
+                want[j / 8] |= u64::from(b) << (8 * (j % 8));
+            }
+            assert_eq!(key_words(key), want, "key of {n} bytes");
+            // A slot holding the key matches it, and no key one byte shorter or different.
+            let mut t = table(2);
+            put(&mut t, 0, key);
+            assert_eq!(t.find(key, hash_key(key)), Some(0), "key of {n} bytes");
+            if n > 0 {
+                let mut other = key.to_vec();
+                other[n.min(INLINE_KEY) - 1] ^= 1; // a byte the slot holds inline
+                assert!(matches!(t.slot(0).holds(&other), Match::No));
+                assert!(matches!(t.slot(0).holds(&key[..n - 1]), Match::No));
+            }
+        }
     }
 
     #[test]
