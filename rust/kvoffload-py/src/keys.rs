@@ -152,10 +152,41 @@ pub(crate) fn position_value(v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
     })
 }
 
+/// A result class and its `__new__`, looked up once: [`build`](Self::build) makes bare instances.
+pub(crate) struct Blank {
+    cls: Py<PyType>,
+    new: Py<PyAny>,
+}
+
+impl Blank {
+    fn of(cls: Bound<'_, PyType>) -> PyResult<Self> {
+        let new = cls.getattr(pyo3::intern!(cls.py(), "__new__"))?.unbind();
+        Ok(Self {
+            cls: cls.unbind(),
+            new,
+        })
+    }
+
+    /// A bare instance (``cls.__new__(cls)``, no `__init__`) with `attrs` set: builds the
+    /// result dataclasses without running Python-level constructors, and without looking up
+    /// `__new__` again on every call.
+    pub(crate) fn build<'py>(
+        &self,
+        py: Python<'py>,
+        attrs: &[(&Bound<'py, pyo3::types::PyString>, Bound<'py, PyAny>)],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let obj = self.new.bind(py).call1((self.cls.bind(py),))?;
+        for (name, value) in attrs {
+            obj.setattr(*name, value)?;
+        }
+        Ok(obj)
+    }
+}
+
 /// The `kvoffload.types` objects results are built from, looked up once.
 pub(crate) struct ResultTypes {
-    pub(crate) prepare_store_output: Py<PyType>,
-    pub(crate) cpu_spec: Py<PyType>,
+    pub(crate) prepare_store_output: Blank,
+    pub(crate) cpu_spec: Blank,
     /// `LookupResult.MISS`, `.HIT`, `.HIT_PENDING`.
     pub(crate) lookup: [Py<PyAny>; 3],
 }
@@ -164,13 +195,13 @@ impl ResultTypes {
     /// The types of `namespace` (a module or any object with `PrepareStoreOutput`,
     /// `CPULoadStoreSpec` and `LookupResult` attributes: kvoffload's types, or vLLM's).
     pub(crate) fn from_namespace(namespace: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let ty = |name: &str| -> PyResult<Py<PyType>> {
-            Ok(namespace.getattr(name)?.cast_into::<PyType>()?.unbind())
+        let blank = |name: &str| -> PyResult<Blank> {
+            Blank::of(namespace.getattr(name)?.cast_into::<PyType>()?)
         };
         let lr = namespace.getattr("LookupResult")?;
         Ok(Self {
-            prepare_store_output: ty("PrepareStoreOutput")?,
-            cpu_spec: ty("CPULoadStoreSpec")?,
+            prepare_store_output: blank("PrepareStoreOutput")?,
+            cpu_spec: blank("CPULoadStoreSpec")?,
             lookup: [
                 lr.getattr("MISS")?.unbind(),
                 lr.getattr("HIT")?.unbind(),
@@ -218,19 +249,6 @@ fn has_fast_dicts(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
         return Ok(true);
     }
     Ok(EXTRA_CONTEXT.get(py).is_some_and(|t| ty.is(t.bind(py))))
-}
-
-/// A bare instance of `cls` (``cls.__new__(cls)``, no `__init__`) with `attrs` set: builds the
-/// result dataclasses without running Python-level constructors.
-pub(crate) fn build<'py>(
-    cls: &Bound<'py, PyType>,
-    attrs: &[(&Bound<'py, pyo3::types::PyString>, Bound<'py, PyAny>)],
-) -> PyResult<Bound<'py, PyAny>> {
-    let obj = cls.call_method1(pyo3::intern!(cls.py(), "__new__"), (cls,))?;
-    for (name, value) in attrs {
-        obj.setattr(*name, value)?;
-    }
-    Ok(obj)
 }
 
 /// A request context: kvoffload's own `ReqContext` (fast path through its dicts) or any object

@@ -4,7 +4,7 @@
 //! policy is refused. Either way a held lock is waited for detached from the interpreter.
 
 use crate::errors::{poisoned, raise, to_py};
-use crate::keys::{build, one_key, position_value, result_types, Context, Keys, ResultTypes};
+use crate::keys::{one_key, position_value, result_types, Context, Keys, ResultTypes};
 use crate::liveness::Liveness;
 use crate::policy::external::PythonPolicy;
 use crate::policy::state::{state_dict, state_keys};
@@ -448,10 +448,9 @@ fn spec<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let ids: Vec<i32> = chunks.iter().map(|&c| c as i32).collect();
     let array = PyArray1::from_slice(py, &ids);
-    build(
-        types.cpu_spec.bind(py),
-        &[(intern!(py, "block_ids"), array.into_any())],
-    )
+    types
+        .cpu_spec
+        .build(py, &[(intern!(py, "block_ids"), array.into_any())])
 }
 
 #[pymethods]
@@ -757,8 +756,8 @@ impl ManagerCore {
         )?;
         drop(evicted_objs);
         let types = self.types(py)?;
-        let output = build(
-            types.prepare_store_output.bind(py),
+        let output = types.prepare_store_output.build(
+            py,
             &[
                 (intern!(py, "keys_to_store"), to_store.into_any()),
                 (intern!(py, "store_spec"), spec(py, types, &out.chunks)?),
