@@ -65,11 +65,12 @@ impl LruPolicy {
             self.order.remove(chunk);
             self.order.insert(chunk, rank);
         } else if self.order.held_key_of(chunk).is_some() {
-            // A pinned chunk held at its old rank: held at the new one, so its release is O(1).
+            // A pinned or pending chunk held at its old rank: held at the new one, so its
+            // release is O(1).
             self.order.remove(chunk);
             self.order.insert_held(chunk, rank);
         }
-        // Otherwise pending, or pinned and detached by a scan: `mark_evictable` inserts it.
+        // Otherwise detached by a scan (pinned or pending): `mark_evictable` inserts it.
         self.ranks[chunk as usize] = rank;
     }
 
@@ -96,6 +97,8 @@ impl CachePolicy for LruPolicy {
         let i = chunk as usize;
         self.ranks[i] = r;
         self.resident[i] = true;
+        // Pending: held at its rank (a batch's chunks side by side), released there in O(1).
+        self.order.insert_held(chunk, r);
     }
 
     fn remove(&mut self, chunk: ChunkId) {
@@ -263,8 +266,8 @@ impl CachePolicy for LruPolicy {
             );
             if let Some(k) = self.order.held_key_of(c) {
                 ensure!(
-                    self.resident[i] && refs.raw(c) > 0 && k == rank,
-                    "lru: chunk {i} held in the order but not pinned at its rank"
+                    self.resident[i] && (refs.raw(c) > 0 || refs.raw(c) == -1) && k == rank,
+                    "lru: chunk {i} held in the order but not pinned or pending at its rank"
                 );
             }
         }
