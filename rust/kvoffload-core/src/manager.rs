@@ -684,7 +684,7 @@ impl Manager {
                 let s = &req.seen[i];
                 FinishedKey {
                     key: &s.key,
-                    chunk: self.chunk_of(&s.key),
+                    chunk: self.find(&s.key, s.hash), // the kept hash: no rehashing
                     inserted_only: s.flags & INSERTED != 0 && s.flags & REUSED == 0,
                     reused: s.flags & REUSED != 0,
                 }

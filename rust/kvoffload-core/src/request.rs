@@ -20,8 +20,9 @@ pub(crate) const REPORTED: u8 = 4;
 #[derive(Debug, Clone)]
 pub(crate) struct SeenKey {
     pub(crate) key: KeyBuf,
-    /// The key's hash, kept so the table never rehashes a key when it grows.
-    hash: u64,
+    /// The key's hash, kept so the table never rehashes a key when it grows (and the manager
+    /// finds a finishing request's chunks without hashing its keys again).
+    pub(crate) hash: u64,
     pub(crate) flags: u8,
 }
 

@@ -355,10 +355,11 @@ impl ManagerCore {
         dict: &Bound<'_, PyDict>,
         state: &Bound<'_, RequestState>,
     ) -> PyResult<Option<Vec<Option<i64>>>> {
-        let items: Vec<(Bound<'_, PyBytes>, Bound<'_, PyAny>)> = dict
-            .iter()
-            .filter_map(|(k, v)| k.cast_into::<PyBytes>().ok().map(|k| (k, v)))
-            .collect();
+        let mut items: Vec<(Bound<'_, PyBytes>, Bound<'_, PyAny>)> = Vec::with_capacity(dict.len());
+        items.extend(
+            dict.iter()
+                .filter_map(|(k, v)| k.cast_into::<PyBytes>().ok().map(|k| (k, v))),
+        );
         let found = self.with_state(py, state.get(), |m, s| {
             (m.is_current(s) && !s.is_finished()).then(|| {
                 let slots: Vec<Option<usize>> = items
