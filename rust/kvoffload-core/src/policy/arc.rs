@@ -347,7 +347,6 @@ impl CachePolicy for ArcPolicy {
             return self.evict_paper(n, protected, keys, out);
         }
         let start = out.len();
-        let mut from_t1: Vec<bool> = Vec::with_capacity(n);
         // Held (pinned) entries the scans walk past; detached once the scans end.
         let (mut held1, mut held2) = (Vec::new(), Vec::new());
         let found = {
@@ -373,7 +372,6 @@ impl CachePolicy for ArcPolicy {
                     virtual_t1 = virtual_t1.saturating_sub(1);
                 }
                 out.push(c);
-                from_t1.push(is_t1);
                 true
             })
         };
@@ -387,15 +385,15 @@ impl CachePolicy for ArcPolicy {
             out.truncate(start);
             return false;
         }
-        for (j, &c) in out[start..].iter().enumerate() {
-            self.unlink(c);
-            self.evictable[c as usize] = false;
-            let (key, hash) = (keys.key(c), keys.hash(c));
-            let list = if from_t1[j] {
+        for &c in &out[start..] {
+            // A victim of T1's scan is in T1 until this unlink.
+            let list = if self.unlink(c) == List::T1 {
                 GhostList::B1
             } else {
                 GhostList::B2
             };
+            self.evictable[c as usize] = false;
+            let (key, hash) = (keys.key(c), keys.hash(c));
             self.ghosts.push(list, &key, hash);
         }
         for list in [GhostList::B1, GhostList::B2] {
