@@ -5,7 +5,8 @@
 //! newest end. Besides its length, each list keeps an [`EvictionOrder`] of its *evictable*
 //! entries (moves to the newest end append in O(1)), so eviction starts at the oldest evictable
 //! entry and never walks past pinned or pending ones.
-//! Ghost lists are linked hash sets, trimmed to the capacity after each successful eviction.
+//! The ghost lists share one [`GhostLists`] (one slab of entries, one index: a key's list is one
+//! probe away), trimmed to the capacity after each successful eviction.
 //!
 //! [`ArcPolicy::paper`] is the FAST 2003 paper's ARC instead (as libCacheSim 0.3.5 implements
 //! it), which differs from vLLM's in three ways: a key requested while a ghost enters T2, not T1;
@@ -17,47 +18,19 @@
 //! and trims B1 and B2 to `c` each). The target moves the same way in both. Pinned and pending
 //! chunks are passed over, as for vLLM's.
 
+use super::ghosts::{GhostList, GhostLists};
 use super::order::EvictionOrder;
 use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
-use crate::key::{hash_key, KeyBuf, KeyHasher};
+use crate::key::{hash_key, KeyBuf};
 use crate::pool::ChunkId;
 use crate::table::Slots;
-use hashlink::linked_hash_map::RawEntryMut;
-use hashlink::LinkedHashMap;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum List {
     None,
     T1,
     T2,
-}
-
-type Ghosts = LinkedHashMap<KeyBuf, (), KeyHasher>;
-
-/// Move `key` to the newest end of `ghosts`; `false` if it is not there.
-fn ghost_to_back(ghosts: &mut Ghosts, key: &[u8], hash: u64) -> bool {
-    match ghosts.raw_entry_mut().from_key_hashed_nocheck(hash, key) {
-        RawEntryMut::Occupied(mut e) => {
-            e.to_back();
-            true
-        }
-        RawEntryMut::Vacant(_) => false,
-    }
-}
-
-/// Drop `key` from `ghosts` if it is there.
-fn ghost_remove(ghosts: &mut Ghosts, key: &[u8], hash: u64) {
-    if let RawEntryMut::Occupied(e) = ghosts.raw_entry_mut().from_key_hashed_nocheck(hash, key) {
-        e.remove();
-    }
-}
-
-/// Add `key` at the newest end of `ghosts` (it is not there: resident keys are no ghosts).
-fn ghost_push(ghosts: &mut Ghosts, key: &[u8], hash: u64) {
-    if let RawEntryMut::Vacant(v) = ghosts.raw_entry_mut().from_key_hashed_nocheck(hash, key) {
-        v.insert_hashed_nocheck(hash, KeyBuf::from_slice(key), ());
-    }
 }
 
 /// ARC over `capacity` chunk slots.
@@ -75,10 +48,9 @@ pub struct ArcPolicy {
     /// Evictable T2 entries by sequence number (oldest first).
     t2_evictable: EvictionOrder<u64>,
     next_seq: u64,
-    /// Ghost lists, oldest first. Looked up with the keys' precomputed hashes (`KeyHasher`
-    /// hashes a `KeyBuf` exactly as `hash_key` hashes its bytes).
-    b1: Ghosts,
-    b2: Ghosts,
+    /// Ghost lists B1 and B2, oldest first. Looked up with the keys' precomputed hashes
+    /// (`hash_key`).
+    ghosts: GhostLists,
     /// The paper's ARC rather than vLLM's (see the module docs).
     paper: bool,
     /// Paper mode: the ghost hit of the last store miss (key, hash, in B2), until its insert.
@@ -99,8 +71,7 @@ impl ArcPolicy {
             t1_evictable: EvictionOrder::new(),
             t2_evictable: EvictionOrder::new(),
             next_seq: 0,
-            b1: LinkedHashMap::with_hasher(KeyHasher),
-            b2: LinkedHashMap::with_hasher(KeyHasher),
+            ghosts: GhostLists::new(),
             paper: false,
             ghost_key: None,
         }
@@ -140,12 +111,12 @@ impl ArcPolicy {
         self.evictable[c as usize] = false;
         if ghost {
             let (key, hash) = (keys.key(c), keys.hash(c));
-            let ghosts = if l == List::T1 {
-                &mut self.b1
+            let list = if l == List::T1 {
+                GhostList::B1
             } else {
-                &mut self.b2
+                GhostList::B2
             };
-            ghost_push(ghosts, &key, hash);
+            self.ghosts.push(list, &key, hash);
         }
         out.push(c);
     }
@@ -163,19 +134,21 @@ impl ArcPolicy {
         let c = self.capacity;
         for _ in 0..n {
             if self.ghost_key.is_none() {
-                if self.t1_len + self.b1.len() + 1 > c {
-                    if self.b1.is_empty() {
+                let (b1, b2) = (
+                    self.ghosts.len(GhostList::B1),
+                    self.ghosts.len(GhostList::B2),
+                );
+                if self.t1_len + b1 + 1 > c {
+                    if b1 == 0 {
                         if let Some(v) = self.oldest_candidate(List::T1, protected) {
                             self.drop_chunk(v, false, keys, out);
                             continue;
                         }
                     } else {
-                        self.b1.pop_front();
+                        self.ghosts.pop_front(GhostList::B1);
                     }
-                } else if self.t1_len + self.b1.len() + self.t2_len + self.b2.len() >= 2 * c
-                    && !self.b2.is_empty()
-                {
-                    self.b2.pop_front();
+                } else if self.t1_len + b1 + self.t2_len + b2 >= 2 * c && b2 > 0 {
+                    self.ghosts.pop_front(GhostList::B2);
                 }
             }
             let t1 = self.t1_len as f64;
@@ -250,15 +223,18 @@ impl ArcPolicy {
     /// Adapt the target to a ghost hit on `key`; `false` when the key is no ghost.
     fn ghost_hit(&mut self, key: &[u8], hash: u64) -> bool {
         let cap = self.capacity as f64;
-        let (n1, n2) = (self.b1.len() as f64, self.b2.len() as f64);
-        if ghost_to_back(&mut self.b1, key, hash) {
-            self.target = (self.target + (n2 / n1).max(1.0)).min(cap);
-            true
-        } else if ghost_to_back(&mut self.b2, key, hash) {
-            self.target = (self.target - (n1 / n2).max(1.0)).max(0.0);
-            true
-        } else {
-            false
+        let n1 = self.ghosts.len(GhostList::B1) as f64;
+        let n2 = self.ghosts.len(GhostList::B2) as f64;
+        match self.ghosts.move_to_back(key, hash) {
+            Some(GhostList::B1) => {
+                self.target = (self.target + (n2 / n1).max(1.0)).min(cap);
+                true
+            }
+            Some(GhostList::B2) => {
+                self.target = (self.target - (n1 / n2).max(1.0)).max(0.0);
+                true
+            }
+            None => false,
         }
     }
 
@@ -293,8 +269,7 @@ impl CachePolicy for ArcPolicy {
     fn insert(&mut self, chunk: ChunkId, key: Access<'_>, _rank: &mut RequestRank) {
         self.evictable[chunk as usize] = false;
         self.push_newest(chunk, List::T1);
-        ghost_remove(&mut self.b1, key.key, key.hash);
-        ghost_remove(&mut self.b2, key.key, key.hash);
+        self.ghosts.remove(key.key, key.hash);
         if self
             .ghost_key
             .as_ref()
@@ -331,17 +306,8 @@ impl CachePolicy for ArcPolicy {
         if self.paper {
             // The first of the offer's keys that is a ghost, for insert and REPLACE.
             self.ghost_key = keys.iter().find_map(|a| {
-                let in_b1 = self
-                    .b1
-                    .raw_entry()
-                    .from_key_hashed_nocheck(a.hash, a.key)
-                    .is_some();
-                let in_b2 = self
-                    .b2
-                    .raw_entry()
-                    .from_key_hashed_nocheck(a.hash, a.key)
-                    .is_some();
-                (in_b1 || in_b2).then(|| (KeyBuf::from_slice(a.key), a.hash, in_b2))
+                let list = self.ghosts.find(a.key, a.hash)?;
+                Some((KeyBuf::from_slice(a.key), a.hash, list == GhostList::B2))
             });
         }
         for a in keys.iter().rev() {
@@ -381,7 +347,6 @@ impl CachePolicy for ArcPolicy {
             return self.evict_paper(n, protected, keys, out);
         }
         let start = out.len();
-        let mut from_t1: Vec<bool> = Vec::with_capacity(n);
         // Held (pinned) entries the scans walk past; detached once the scans end.
         let (mut held1, mut held2) = (Vec::new(), Vec::new());
         let found = {
@@ -407,7 +372,6 @@ impl CachePolicy for ArcPolicy {
                     virtual_t1 = virtual_t1.saturating_sub(1);
                 }
                 out.push(c);
-                from_t1.push(is_t1);
                 true
             })
         };
@@ -421,20 +385,20 @@ impl CachePolicy for ArcPolicy {
             out.truncate(start);
             return false;
         }
-        for (j, &c) in out[start..].iter().enumerate() {
-            self.unlink(c);
+        for &c in &out[start..] {
+            // A victim of T1's scan is in T1 until this unlink.
+            let list = if self.unlink(c) == List::T1 {
+                GhostList::B1
+            } else {
+                GhostList::B2
+            };
             self.evictable[c as usize] = false;
             let (key, hash) = (keys.key(c), keys.hash(c));
-            let ghosts = if from_t1[j] {
-                &mut self.b1
-            } else {
-                &mut self.b2
-            };
-            ghost_push(ghosts, &key, hash);
+            self.ghosts.push(list, &key, hash);
         }
-        for ghosts in [&mut self.b1, &mut self.b2] {
-            while ghosts.len() > self.capacity {
-                ghosts.pop_front();
+        for list in [GhostList::B1, GhostList::B2] {
+            while self.ghosts.len(list) > self.capacity {
+                self.ghosts.pop_front(list);
             }
         }
         true
@@ -447,8 +411,7 @@ impl CachePolicy for ArcPolicy {
         self.t2_len = 0;
         self.t1_evictable.clear();
         self.t2_evictable.clear();
-        self.b1.clear();
-        self.b2.clear();
+        self.ghosts.clear();
         self.target = 0.0;
         self.ghost_key = None;
     }
@@ -477,8 +440,8 @@ impl CachePolicy for ArcPolicy {
         PolicyState::Arc {
             t1: self.ordered(List::T1),
             t2: self.ordered(List::T2),
-            b1: self.b1.keys().cloned().collect(),
-            b2: self.b2.keys().cloned().collect(),
+            b1: self.ghosts.key_bufs(GhostList::B1),
+            b2: self.ghosts.key_bufs(GhostList::B2),
             target: self.target,
         }
     }
@@ -548,22 +511,13 @@ impl CachePolicy for ArcPolicy {
         // The paper bounds the directory only on misses it can evict for, which pinned chunks
         // can prevent: its ghost lists have no fixed bound.
         ensure!(
-            self.paper || (self.b1.len() <= self.capacity && self.b2.len() <= self.capacity),
+            self.paper
+                || (self.ghosts.len(GhostList::B1) <= self.capacity
+                    && self.ghosts.len(GhostList::B2) <= self.capacity),
             "arc: a ghost list is over capacity"
         );
-        for ghosts in [&self.b1, &self.b2] {
-            ensure!(
-                ghosts.keys().all(|k| ghosts
-                    .raw_entry()
-                    .from_key_hashed_nocheck(hash_key(k), k)
-                    .is_some()),
-                "arc: a ghost list hashes keys differently from hash_key"
-            );
-        }
-        ensure!(
-            self.b1.keys().all(|k| !self.b2.contains_key(k)),
-            "arc: a key in both ghost lists"
-        );
+        // Links, index, no key in both lists, and each key's hash is `hash_key`'s.
+        self.ghosts.validate(hash_key)?;
         ensure!(
             (0.0..=self.capacity as f64).contains(&self.target),
             "arc: target {} outside [0, capacity]",

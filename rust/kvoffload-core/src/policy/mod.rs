@@ -7,6 +7,7 @@
 
 mod arc;
 mod fifo;
+mod ghosts;
 mod lfu;
 mod lru;
 mod order;

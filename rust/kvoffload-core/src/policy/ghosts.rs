@@ -1,0 +1,700 @@
+//! `GhostLists`: ARC's two ghost lists (B1 and B2, keys only) in one arena with one index.
+//!
+//! Each ghost is one 64-byte [`Entry`] of a slab: its key's first [`INLINE_KEY`] bytes inline,
+//! the key's length, its full hash, which list holds it, and the links of that list's recency
+//! order (oldest at the head). Vacant entries form a free list threaded through `next`, so the
+//! slab grows only while the lists do: each list is bounded by the cache's capacity, and once
+//! both have filled, pushes reuse the entries that pops free and allocate nothing. Keys longer
+//! than [`INLINE_KEY`] bytes keep their full bytes in a side map (the cold path: vLLM's keys
+//! are 36 bytes).
+//!
+//! One open-addressing index over both lists finds a key's entry, so one probe tells whether a
+//! key is in B1, in B2 or in neither. An index word is `(hash >> 32) << 32 | (entry + 1)`, 0
+//! when empty; a key's home word is the top `bits` of its hash, which its tag holds, so the
+//! index grows (doubling, at half full) and deletes (shifting the rest of a probe run back,
+//! no tombstones) from its own words, without reading an entry or hashing a key again. It never
+//! rehashes in the steady state: it grows only when the number of ghosts reaches a new high.
+
+use crate::error::{ensure, Result};
+use crate::key::KeyBuf;
+use hashbrown::HashMap;
+use std::fmt;
+
+/// Key bytes an entry holds inline (vLLM's keys, a 32-byte hash and a 4-byte group, fit).
+pub(crate) const INLINE_KEY: usize = 40;
+
+/// No entry (the end of a list or of the free list).
+const NIL: u32 = u32::MAX;
+
+/// The `list` of a vacant entry.
+const FREE: u8 = 2;
+
+/// Index words of a fresh structure (a power of two).
+const MIN_INDEX: usize = 8;
+
+/// Which ghost list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GhostList {
+    /// Keys evicted from T1.
+    B1 = 0,
+    /// Keys evicted from T2.
+    B2 = 1,
+}
+
+impl GhostList {
+    fn from_tag(tag: u8) -> Self {
+        debug_assert!(tag < FREE);
+        if tag == 0 {
+            Self::B1
+        } else {
+            Self::B2
+        }
+    }
+}
+
+/// One ghost, or a vacant slab entry. Exactly one cache line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Entry {
+    /// `hash_key(key)`, as the caller passed it.
+    hash: u64,
+    /// The key's first `min(len, INLINE_KEY)` bytes; the rest of the array is unused.
+    key: [u8; INLINE_KEY],
+    /// The key's length in bytes (the full key of a longer one is in `GhostLists::long`).
+    len: u32,
+    /// The next older entry of the list, or `NIL` at the head.
+    prev: u32,
+    /// The next newer entry of the list, or `NIL` at the tail. When the entry is vacant, the
+    /// next vacant entry.
+    next: u32,
+    /// `GhostList as u8`, or `FREE` when vacant.
+    list: u8,
+}
+
+const _: () = assert!(std::mem::size_of::<Entry>() == 64);
+
+/// The ends and length of one list.
+#[derive(Debug, Clone, Copy)]
+struct Ends {
+    /// The oldest entry, or `NIL`.
+    head: u32,
+    /// The newest entry, or `NIL`.
+    tail: u32,
+    len: usize,
+}
+
+const EMPTY_LIST: Ends = Ends {
+    head: NIL,
+    tail: NIL,
+    len: 0,
+};
+
+/// B1 and B2 over one slab of entries and one index; see the module docs.
+#[derive(Clone)]
+pub(crate) struct GhostLists {
+    entries: Vec<Entry>,
+    /// The first vacant entry, or `NIL`.
+    free: u32,
+    /// B1 and B2, by `GhostList as usize`.
+    lists: [Ends; 2],
+    /// Open addressing with linear probing, a power of two long, at most half full.
+    index: Vec<u64>,
+    /// `64 - log2(index.len())`: a word's home is `word >> shift` (and a hash's `hash >> shift`).
+    shift: u32,
+    /// The full bytes of keys longer than `INLINE_KEY`, by entry.
+    long: HashMap<u32, Box<[u8]>>,
+}
+
+impl fmt::Debug for GhostLists {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GhostLists")
+            .field("b1", &self.keys(GhostList::B1).collect::<Vec<_>>())
+            .field("b2", &self.keys(GhostList::B2).collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+impl GhostLists {
+    /// Two empty lists (the slab allocates on the first push).
+    pub(crate) fn new() -> Self {
+        Self {
+            entries: Vec::new(),
+            free: NIL,
+            lists: [EMPTY_LIST; 2],
+            index: vec![0; MIN_INDEX],
+            shift: 64 - MIN_INDEX.trailing_zeros(),
+            long: HashMap::new(),
+        }
+    }
+
+    /// The number of ghosts in `list`.
+    pub(crate) fn len(&self, list: GhostList) -> usize {
+        self.lists[list as usize].len
+    }
+
+    /// Which list holds `key` (`hash` is `hash_key(key)`), if any.
+    pub(crate) fn find(&self, key: &[u8], hash: u64) -> Option<GhostList> {
+        let (_, e) = self.probe(key, hash).ok()?;
+        Some(GhostList::from_tag(self.entries[e as usize].list))
+    }
+
+    /// Move `key` to the newest end of its list; which list that is, if any.
+    pub(crate) fn move_to_back(&mut self, key: &[u8], hash: u64) -> Option<GhostList> {
+        let (_, e) = self.probe(key, hash).ok()?;
+        let list = GhostList::from_tag(self.entries[e as usize].list);
+        if self.lists[list as usize].tail != e {
+            self.unlink(e);
+            self.link_back(e, list);
+        }
+        Some(list)
+    }
+
+    /// Drop `key` from its list; which list that was, if any.
+    pub(crate) fn remove(&mut self, key: &[u8], hash: u64) -> Option<GhostList> {
+        let (at, e) = self.probe(key, hash).ok()?;
+        let list = GhostList::from_tag(self.entries[e as usize].list);
+        self.unindex(at);
+        self.unlink(e);
+        self.release(e);
+        Some(list)
+    }
+
+    /// Add `key` at the newest end of `list`. A key already in `list` stays where it is (ARC
+    /// never pushes one: resident keys are no ghosts); a key in the other list, which ARC never
+    /// pushes either, moves to `list`, so that no key is in both.
+    pub(crate) fn push(&mut self, list: GhostList, key: &[u8], hash: u64) {
+        let live = self.lists[0].len + self.lists[1].len;
+        if 2 * (live + 1) > self.index.len() {
+            self.grow_index();
+        }
+        match self.probe(key, hash) {
+            Ok((_, e)) => {
+                let was = GhostList::from_tag(self.entries[e as usize].list);
+                debug_assert_eq!(was, list, "ghosts: a key pushed onto both lists");
+                if was != list {
+                    self.unlink(e);
+                    self.link_back(e, list);
+                }
+            }
+            Err(at) => {
+                let e = self.allocate(key, hash);
+                self.index[at] = (hash >> 32 << 32) | u64::from(e + 1);
+                self.link_back(e, list);
+            }
+        }
+    }
+
+    /// Drop the oldest ghost of `list`; `false` if it is empty. Its key is not hashed again.
+    pub(crate) fn pop_front(&mut self, list: GhostList) -> bool {
+        let e = self.lists[list as usize].head;
+        if e == NIL {
+            return false;
+        }
+        let word = (self.entries[e as usize].hash >> 32 << 32) | u64::from(e + 1);
+        let mask = self.index.len() - 1;
+        let mut at = (word >> self.shift) as usize;
+        while self.index[at] != word {
+            debug_assert!(
+                self.index[at] != 0,
+                "ghosts: an entry missing from the index"
+            );
+            at = (at + 1) & mask;
+        }
+        self.unindex(at);
+        self.unlink(e);
+        self.release(e);
+        true
+    }
+
+    /// The keys of `list`, oldest first.
+    pub(crate) fn keys(&self, list: GhostList) -> impl Iterator<Item = &[u8]> + '_ {
+        let mut e = self.lists[list as usize].head;
+        std::iter::from_fn(move || {
+            if e == NIL {
+                return None;
+            }
+            let key = self.key(e);
+            e = self.entries[e as usize].next;
+            Some(key)
+        })
+    }
+
+    /// The keys of `list`, oldest first, as owned buffers.
+    pub(crate) fn key_bufs(&self, list: GhostList) -> Vec<KeyBuf> {
+        self.keys(list).map(KeyBuf::from_slice).collect()
+    }
+
+    /// Drop every ghost, keeping the slab's and the index's memory.
+    pub(crate) fn clear(&mut self) {
+        self.entries.clear();
+        self.free = NIL;
+        self.lists = [EMPTY_LIST; 2];
+        self.index.fill(0);
+        self.long.clear();
+    }
+
+    /// Check the lists' links and lengths, the free list, the index against the lists, the
+    /// side map of long keys, that no key is in both lists, and that each entry's hash is
+    /// `hash(key)`.
+    pub(crate) fn validate(&self, hash: impl Fn(&[u8]) -> u64) -> Result<()> {
+        let n = self.entries.len();
+        let mut seen = vec![false; n];
+        for list in [GhostList::B1, GhostList::B2] {
+            let ends = self.lists[list as usize];
+            let (mut e, mut prev, mut count) = (ends.head, NIL, 0);
+            while e != NIL {
+                ensure!(
+                    (e as usize) < n && !seen[e as usize],
+                    "ghosts: {list:?} links entry {e} twice or out of the slab"
+                );
+                seen[e as usize] = true;
+                let x = &self.entries[e as usize];
+                ensure!(
+                    x.list == list as u8 && x.prev == prev,
+                    "ghosts: entry {e} of {list:?} has a stale list tag or back link"
+                );
+                let key = self.key(e);
+                ensure!(
+                    x.hash == hash(key),
+                    "ghosts: entry {e} holds a hash other than its key's"
+                );
+                ensure!(
+                    self.probe(key, x.hash).ok().map(|(_, f)| f) == Some(e),
+                    "ghosts: entry {e}'s key does not lead to it (unindexed, or a key in both lists)"
+                );
+                (prev, e, count) = (e, x.next, count + 1);
+            }
+            ensure!(
+                ends.tail == prev && ends.len == count,
+                "ghosts: {list:?}'s tail or length drifted"
+            );
+        }
+        let mut e = self.free;
+        while e != NIL {
+            ensure!(
+                (e as usize) < n && !seen[e as usize] && self.entries[e as usize].list == FREE,
+                "ghosts: the free list holds entry {e} twice, out of the slab, or in use"
+            );
+            seen[e as usize] = true;
+            e = self.entries[e as usize].next;
+        }
+        ensure!(
+            seen.iter().all(|&s| s),
+            "ghosts: an entry in neither a list nor the free list"
+        );
+        let live = self.lists[0].len + self.lists[1].len;
+        let words = self.index.iter().filter(|&&w| w != 0).count();
+        ensure!(
+            words == live && 2 * live <= self.index.len() && self.index.len().is_power_of_two(),
+            "ghosts: the index holds {words} words for {live} ghosts in {} slots",
+            self.index.len()
+        );
+        ensure!(
+            self.shift == 64 - self.index.len().trailing_zeros(),
+            "ghosts: the index's shift does not match its length"
+        );
+        let long = self
+            .entries
+            .iter()
+            .filter(|x| x.list != FREE && x.len as usize > INLINE_KEY)
+            .count();
+        ensure!(
+            long == self.long.len()
+                && self.long.iter().all(|(&e, k)| {
+                    let x = &self.entries[e as usize];
+                    x.list != FREE && x.len as usize == k.len() && k[..INLINE_KEY] == x.key
+                }),
+            "ghosts: the long-key map differs from the long keys in the lists"
+        );
+        Ok(())
+    }
+
+    /// The entry of `key`, as `Ok((index word position, entry))`, or `Err(the empty word where
+    /// it would go)`.
+    #[inline]
+    fn probe(&self, key: &[u8], hash: u64) -> std::result::Result<(usize, u32), usize> {
+        let mask = self.index.len() - 1;
+        let tag = hash >> 32;
+        let mut at = (hash >> self.shift) as usize;
+        loop {
+            let word = self.index[at];
+            let e = word as u32;
+            if e == 0 {
+                return Err(at);
+            }
+            if word >> 32 == tag && self.matches(e - 1, key, hash) {
+                return Ok((at, e - 1));
+            }
+            at = (at + 1) & mask;
+        }
+    }
+
+    /// Whether entry `e` holds `key`.
+    #[inline]
+    fn matches(&self, e: u32, key: &[u8], hash: u64) -> bool {
+        let x = &self.entries[e as usize];
+        let inline = key.len().min(INLINE_KEY);
+        x.hash == hash
+            && x.len as usize == key.len()
+            && x.key[..inline] == key[..inline]
+            && (key.len() <= INLINE_KEY || self.long.get(&e).is_some_and(|k| **k == *key))
+    }
+
+    /// The key of live entry `e`.
+    fn key(&self, e: u32) -> &[u8] {
+        let x = &self.entries[e as usize];
+        if x.len as usize > INLINE_KEY {
+            &self.long[&e]
+        } else {
+            &x.key[..x.len as usize]
+        }
+    }
+
+    /// A vacant entry holding `key`, unlinked.
+    fn allocate(&mut self, key: &[u8], hash: u64) -> u32 {
+        let mut x = Entry {
+            hash,
+            key: [0; INLINE_KEY],
+            len: u32::try_from(key.len()).expect("ghosts: a key of 4 GiB or more"),
+            prev: NIL,
+            next: NIL,
+            list: FREE,
+        };
+        let inline = key.len().min(INLINE_KEY);
+        x.key[..inline].copy_from_slice(&key[..inline]);
+        let e = if self.free == NIL {
+            let e = u32::try_from(self.entries.len())
+                .ok()
+                .filter(|&e| e < NIL - 1)
+                .expect("ghosts: more than 2^32 - 2 ghosts");
+            self.entries.push(x);
+            e
+        } else {
+            let e = self.free;
+            self.free = self.entries[e as usize].next;
+            self.entries[e as usize] = x;
+            e
+        };
+        if key.len() > INLINE_KEY {
+            self.long.insert(e, key.into());
+        }
+        e
+    }
+
+    /// Put unlinked entry `e` on the free list.
+    fn release(&mut self, e: u32) {
+        let x = &mut self.entries[e as usize];
+        if x.len as usize > INLINE_KEY {
+            self.long.remove(&e);
+        }
+        x.list = FREE;
+        x.prev = NIL;
+        x.next = self.free;
+        self.free = e;
+    }
+
+    /// Take entry `e` out of its list's order (its list tag stays).
+    fn unlink(&mut self, e: u32) {
+        let Entry {
+            prev, next, list, ..
+        } = self.entries[e as usize];
+        let ends = &mut self.lists[list as usize];
+        ends.len -= 1;
+        if prev == NIL {
+            ends.head = next;
+        } else {
+            self.entries[prev as usize].next = next;
+        }
+        if next == NIL {
+            ends.tail = prev;
+        } else {
+            self.entries[next as usize].prev = prev;
+        }
+    }
+
+    /// Link unlinked entry `e` at the newest end of `list`.
+    fn link_back(&mut self, e: u32, list: GhostList) {
+        let ends = &mut self.lists[list as usize];
+        let tail = ends.tail;
+        ends.tail = e;
+        ends.len += 1;
+        if tail == NIL {
+            ends.head = e;
+        } else {
+            self.entries[tail as usize].next = e;
+        }
+        let x = &mut self.entries[e as usize];
+        x.prev = tail;
+        x.next = NIL;
+        x.list = list as u8;
+    }
+
+    /// Empty index word `at`, moving later words of its probe run back so that every word
+    /// stays reachable from its home without passing an empty word.
+    fn unindex(&mut self, mut at: usize) {
+        let mask = self.index.len() - 1;
+        let mut next = at;
+        loop {
+            next = (next + 1) & mask;
+            let word = self.index[next];
+            if word == 0 {
+                self.index[at] = 0;
+                return;
+            }
+            // `word` may fill the hole unless its home lies cyclically in (at, next].
+            let home = (word >> self.shift) as usize;
+            if (next.wrapping_sub(home) & mask) >= (next.wrapping_sub(at) & mask) {
+                self.index[at] = word;
+                at = next;
+            }
+        }
+    }
+
+    /// Double the index, placing each word from its own hash bits.
+    fn grow_index(&mut self) {
+        let len = self.index.len() * 2;
+        assert!(len <= 1 << 32, "ghosts: an index of more than 2^32 words");
+        let old = std::mem::replace(&mut self.index, vec![0; len]);
+        self.shift -= 1;
+        let mask = len - 1;
+        for word in old.into_iter().filter(|&w| w != 0) {
+            let mut at = (word >> self.shift) as usize;
+            while self.index[at] != 0 {
+                at = (at + 1) & mask;
+            }
+            self.index[at] = word;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GhostList::{B1, B2};
+    use super::*;
+    use crate::key::hash_key;
+    use proptest::prelude::*;
+    use std::collections::VecDeque;
+
+    /// A hash with only a few distinct values, so keys collide in the index (and share tags).
+    fn weak_hash(key: &[u8]) -> u64 {
+        (hash_key(key) & 0xC000_0000_0000_0003) | 0x0000_0001_0000_0000
+    }
+
+    fn key(i: usize) -> Vec<u8> {
+        format!("key{i}").into_bytes()
+    }
+
+    /// A key longer than `INLINE_KEY`, whose first `INLINE_KEY` bytes are all the same.
+    fn long_key(i: usize) -> Vec<u8> {
+        let mut k = vec![b'x'; INLINE_KEY];
+        k.extend_from_slice(format!("long{i}").as_bytes());
+        k
+    }
+
+    fn keys_of(g: &GhostLists, list: GhostList) -> Vec<Vec<u8>> {
+        g.keys(list).map(<[u8]>::to_vec).collect()
+    }
+
+    #[test]
+    fn push_pop_to_back_remove() {
+        let mut g = GhostLists::new();
+        for i in 0..4 {
+            g.push(B1, &key(i), hash_key(&key(i)));
+        }
+        g.push(B2, &key(9), hash_key(&key(9)));
+        g.validate(hash_key).unwrap();
+        assert_eq!((g.len(B1), g.len(B2)), (4, 1));
+        assert_eq!(g.find(&key(2), hash_key(&key(2))), Some(B1));
+        assert_eq!(g.find(&key(9), hash_key(&key(9))), Some(B2));
+        assert_eq!(g.find(&key(5), hash_key(&key(5))), None);
+        assert_eq!(g.move_to_back(&key(1), hash_key(&key(1))), Some(B1));
+        assert_eq!(keys_of(&g, B1), vec![key(0), key(2), key(3), key(1)]);
+        assert_eq!(g.remove(&key(2), hash_key(&key(2))), Some(B1));
+        assert_eq!(g.remove(&key(2), hash_key(&key(2))), None);
+        assert!(g.pop_front(B1));
+        assert_eq!(keys_of(&g, B1), vec![key(3), key(1)]);
+        assert_eq!(g.move_to_back(&key(9), hash_key(&key(9))), Some(B2));
+        assert!(g.pop_front(B2));
+        assert!(!g.pop_front(B2));
+        assert_eq!(g.len(B2), 0);
+        g.validate(hash_key).unwrap();
+        g.clear();
+        assert_eq!(g.len(B1), 0);
+        g.validate(hash_key).unwrap();
+    }
+
+    #[test]
+    fn pushing_a_present_key_keeps_its_place() {
+        let mut g = GhostLists::new();
+        for i in 0..3 {
+            g.push(B2, &key(i), hash_key(&key(i)));
+        }
+        g.push(B2, &key(0), hash_key(&key(0)));
+        assert_eq!(keys_of(&g, B2), vec![key(0), key(1), key(2)]);
+        g.validate(hash_key).unwrap();
+    }
+
+    #[test]
+    fn long_keys_are_kept_whole() {
+        let mut g = GhostLists::new();
+        for i in 0..3 {
+            g.push(B1, &long_key(i), hash_key(&long_key(i)));
+        }
+        g.push(B2, &key(0), hash_key(&key(0)));
+        g.validate(hash_key).unwrap();
+        assert_eq!(keys_of(&g, B1), vec![long_key(0), long_key(1), long_key(2)]);
+        // Same inline bytes, length and hash, other tail: not the same key.
+        let mut other = long_key(1);
+        *other.last_mut().unwrap() ^= 1;
+        assert_eq!(g.find(&other, hash_key(&long_key(1))), None);
+        assert_eq!(g.find(&long_key(1), hash_key(&long_key(1))), Some(B1));
+        assert!(g.pop_front(B1));
+        assert_eq!(g.remove(&long_key(2), hash_key(&long_key(2))), Some(B1));
+        assert_eq!(g.long.len(), 1);
+        g.validate(hash_key).unwrap();
+    }
+
+    #[test]
+    fn freed_entries_are_reused() {
+        let mut g = GhostLists::new();
+        for i in 0..100 {
+            g.push(B1, &key(i), hash_key(&key(i)));
+            g.push(B2, &key(1000 + i), hash_key(&key(1000 + i)));
+        }
+        let (slab, index) = (g.entries.len(), g.index.len());
+        for i in 100..10_000 {
+            g.pop_front(B1);
+            g.push(B1, &key(i), hash_key(&key(i)));
+            g.pop_front(B2);
+            g.push(B2, &key(1000 + i), hash_key(&key(1000 + i)));
+        }
+        assert_eq!((g.entries.len(), g.index.len()), (slab, index));
+        assert_eq!(g.entries.len(), 200);
+        g.validate(hash_key).unwrap();
+    }
+
+    #[test]
+    fn colliding_hashes_stay_findable_through_deletions() {
+        let mut g = GhostLists::new();
+        for i in 0..64 {
+            let list = if i % 3 == 0 { B2 } else { B1 };
+            g.push(list, &key(i), weak_hash(&key(i)));
+        }
+        g.validate(weak_hash).unwrap();
+        for i in (0..64).step_by(2) {
+            assert!(g.remove(&key(i), weak_hash(&key(i))).is_some());
+            g.validate(weak_hash).unwrap();
+        }
+        for i in 0..64 {
+            assert_eq!(g.find(&key(i), weak_hash(&key(i))).is_some(), i % 2 == 1);
+        }
+    }
+
+    #[test]
+    fn an_index_word_is_a_tag_and_an_entry() {
+        let mut g = GhostLists::new();
+        let h = 0xDEAD_BEEF_0000_0042;
+        g.push(B1, b"k", h);
+        let word = g.index.iter().copied().find(|&w| w != 0).unwrap();
+        assert_eq!(word, 0xDEAD_BEEF_0000_0001);
+        assert_eq!(
+            g.index.iter().position(|&w| w != 0),
+            Some((h >> 61) as usize)
+        );
+    }
+
+    /// One operation of the model test: on key `k` of a small pool (every fourth one long).
+    #[derive(Debug, Clone)]
+    enum Op {
+        Push(bool, usize),
+        MoveToBack(usize),
+        Remove(usize),
+        PopFront(bool),
+        Find(usize),
+        Clear,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (any::<bool>(), 0..48usize).prop_map(|(b, k)| Op::Push(b, k)),
+            2 => (0..48usize).prop_map(Op::MoveToBack),
+            2 => (0..48usize).prop_map(Op::Remove),
+            3 => any::<bool>().prop_map(Op::PopFront),
+            1 => (0..48usize).prop_map(Op::Find),
+            1 => Just(Op::Clear),
+        ]
+    }
+
+    /// Checks `GhostLists` against two deques, with the real or a colliding hash.
+    fn run_model(ops: &[Op], hash: fn(&[u8]) -> u64) {
+        let pool: Vec<Vec<u8>> = (0..48)
+            .map(|i| if i % 4 == 0 { long_key(i) } else { key(i) })
+            .collect();
+        let mut g = GhostLists::new();
+        let mut model: [VecDeque<usize>; 2] = [VecDeque::new(), VecDeque::new()];
+        let which = |model: &[VecDeque<usize>; 2], k: usize| {
+            (0..2).find(|&l| model[l].contains(&k)).map(|l| [B1, B2][l])
+        };
+        for op in ops {
+            match *op {
+                Op::Push(b2, k) => {
+                    // ARC pushes only keys in neither list.
+                    if which(&model, k).is_none() {
+                        let list = if b2 { B2 } else { B1 };
+                        g.push(list, &pool[k], hash(&pool[k]));
+                        model[list as usize].push_back(k);
+                    }
+                }
+                Op::MoveToBack(k) => {
+                    let w = which(&model, k);
+                    if let Some(l) = w {
+                        let m = &mut model[l as usize];
+                        m.retain(|&x| x != k);
+                        m.push_back(k);
+                    }
+                    assert_eq!(g.move_to_back(&pool[k], hash(&pool[k])), w);
+                }
+                Op::Remove(k) => {
+                    let w = which(&model, k);
+                    if let Some(l) = w {
+                        model[l as usize].retain(|&x| x != k);
+                    }
+                    assert_eq!(g.remove(&pool[k], hash(&pool[k])), w);
+                }
+                Op::PopFront(b2) => {
+                    let list = if b2 { B2 } else { B1 };
+                    let m = model[list as usize].pop_front();
+                    assert_eq!(g.pop_front(list), m.is_some());
+                }
+                Op::Find(k) => assert_eq!(g.find(&pool[k], hash(&pool[k])), which(&model, k)),
+                Op::Clear => {
+                    g.clear();
+                    model = [VecDeque::new(), VecDeque::new()];
+                }
+            }
+            g.validate(hash).unwrap();
+            for list in [B1, B2] {
+                let want: Vec<&[u8]> = model[list as usize]
+                    .iter()
+                    .map(|&k| pool[k].as_slice())
+                    .collect();
+                assert_eq!(g.keys(list).collect::<Vec<_>>(), want);
+                assert_eq!(g.len(list), want.len());
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn matches_two_deques(ops in proptest::collection::vec(op(), 0..300)) {
+            run_model(&ops, hash_key);
+        }
+
+        #[test]
+        fn matches_two_deques_with_colliding_hashes(
+            ops in proptest::collection::vec(op(), 0..300)
+        ) {
+            run_model(&ops, weak_hash);
+        }
+    }
+}
