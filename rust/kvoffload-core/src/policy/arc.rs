@@ -217,6 +217,10 @@ impl ArcPolicy {
         }
         if self.evictable[i] {
             self.evictable_map(l).insert(chunk, seq);
+        } else {
+            // Pending or pinned: held at the newest end, so `mark_evictable` releases it in
+            // place (O(1)) rather than inserting it below newer entries, into the tree.
+            self.evictable_map(l).insert_held(chunk, seq);
         }
     }
 
@@ -476,8 +480,9 @@ impl CachePolicy for ArcPolicy {
             ] {
                 if let Some(k) = map.held_key_of(c) {
                     ensure!(
-                        l == ml && k == seq && refs.raw(c) > 0,
-                        "arc: chunk {i} held in an order but not pinned there at its sequence"
+                        l == ml && k == seq && (refs.raw(c) > 0 || refs.raw(c) == -1),
+                        "arc: chunk {i} held in an order but not pinned or pending there at its \
+                         sequence"
                     );
                 }
             }
