@@ -261,18 +261,46 @@ def time_op(cache: FilledCache, op: str, *, repeat: int, min_time_s: float = 0.0
     target = cache.targets[op]
     clock = time.perf_counter_ns
     batch = cache.batch
-    cap = len(cache.absent) // batch - ROUNDS_PER_REQUEST if op == "store_evict" else 20_000
-    number = 1
-    while True:
-        elapsed = _run(cache, target, op, number, clock)
-        if elapsed >= min_time_s * 1e9 or number >= cap:
-            break
-        number = min(cap, number * 4)
+    number = _autorange(cache, op, min_time_s)
     best: float | None = None
     for _ in range(repeat):
         per_key = _run(cache, target, op, number, clock) / (number * batch)
         best = per_key if best is None else min(best, per_key)
     assert best is not None
+    return best
+
+
+def _autorange(cache: FilledCache, op: str, min_time_s: float) -> int:
+    """Rounds per run: enough to fill ``min_time_s`` (at most what the spare keys allow)."""
+    batch = cache.batch
+    cap = len(cache.absent) // batch - ROUNDS_PER_REQUEST if op == "store_evict" else 20_000
+    number = 1
+    while True:
+        elapsed = _run(cache, cache.targets[op], op, number, time.perf_counter_ns)
+        if elapsed >= min_time_s * 1e9 or number >= cap:
+            return number
+        number = min(cap, number * 4)
+
+
+def time_op_interleaved(
+    caches: dict[str, FilledCache], op: str, *, repeat: int, min_time_s: float = 0.02
+) -> dict[str, float]:
+    """``time_op`` for several implementations at once, their runs interleaved.
+
+    Each implementation's run length is set once (as ``time_op`` does); then ``repeat`` times,
+    every implementation runs once, in an order that rotates each time. So each one's minimum
+    is taken over the same stretch of time as the others', and a slow or fast phase of a shared
+    machine moves them together: the ratios are side by side, not minutes apart.
+    """
+    clock = time.perf_counter_ns
+    numbers = {impl: _autorange(cache, op, min_time_s) for impl, cache in caches.items()}
+    impls = list(caches)
+    best: dict[str, float] = {}
+    for r in range(repeat):
+        for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
+            cache, number = caches[impl], numbers[impl]
+            per_key = _run(cache, cache.targets[op], op, number, clock) / (number * cache.batch)
+            best[impl] = min(best.get(impl, per_key), per_key)
     return best
 
 

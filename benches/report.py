@@ -2,10 +2,12 @@
 
 Runs the same cases as ``test_bench_ffi.py`` (see ``cases.py``) timeit-style: each operation is
 timed as a run of rounds (at least ~20 ms, GC paused) and the minimum over ``--repeat`` runs is
-kept. Rows: operation x pool size; columns: ns/key per implementation and the speed-up over the
-reference and over vLLM 0.33.0's own manager (lru and arc only; its ``lookup_prefix`` row is 32
-single lookups, see ``cases.py``). Then, per implementation, how its per-key cost grows from the
-smallest to the largest pool (1.0x means flat).
+kept, the implementations' runs interleaved (each pool filled first), so that every ratio
+compares minimums taken over the same stretch of time. Rows: operation x pool size; columns:
+ns/key per implementation and the speed-up over the reference and over vLLM 0.33.0's own manager
+(lru and arc only; its ``lookup_prefix`` row is 32 single lookups, see ``cases.py``). Then, per
+implementation, how its per-key cost grows from the smallest to the largest pool (1.0x means
+flat).
 
     python benches/report.py                       # lru, 10^3 / 10^5 / 10^6 chunks
     python benches/report.py --policies lru,arc,fifo,sieve,s3fifo,2q,slru --sizes 100000
@@ -21,7 +23,17 @@ import sys
 import time
 from pathlib import Path
 
-from cases import IMPLS, LABELS, OPERATIONS, SIZES, VLLM, CacheRegistry, time_op, unavailable
+from cases import (
+    IMPLS,
+    LABELS,
+    OPERATIONS,
+    SIZES,
+    VLLM,
+    CacheRegistry,
+    FilledCache,
+    time_op_interleaved,
+    unavailable,
+)
 
 BASELINE = "reference"
 SUBJECT = "rust"
@@ -65,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     for policy in args.policies:
         per_op = results.setdefault(policy, {op: {} for op in args.ops})
         for size in args.sizes:
+            caches: dict[str, FilledCache] = {}
             for impl in impls:
                 reason = unavailable(impl, policy)
                 if reason is not None:
@@ -72,17 +85,20 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"report: skipping {impl}/{policy} ({reason})", file=sys.stderr)
                     continue
                 started = time.perf_counter()
-                cache = registry.get(impl, policy, size)
-                fills[f"{policy}/{size}/{impl}"] = cache.fill_s
+                caches[impl] = registry.get(impl, policy, size)
+                fills[f"{policy}/{size}/{impl}"] = caches[impl].fill_s
                 print(
                     f"report: {policy} {size:>9,} chunks {impl:<10} filled in "
                     f"{time.perf_counter() - started:.1f} s",
                     file=sys.stderr,
                 )
-                for op in args.ops:
-                    ns = time_op(cache, op, repeat=args.repeat)
-                    per_op[op].setdefault(size, {})[impl] = ns
-                    print(f"report:   {op:<14} {ns:10.1f} ns/key", file=sys.stderr)
+            # Every implementation's runs of an operation interleaved (see time_op_interleaved).
+            for op in args.ops:
+                by_impl = time_op_interleaved(caches, op, repeat=args.repeat)
+                per_op[op].setdefault(size, {}).update(by_impl)
+                shown = "  ".join(f"{i} {ns:,.1f}" for i, ns in by_impl.items())
+                print(f"report:   {op:<14} ns/key: {shown}", file=sys.stderr)
+            caches.clear()
 
     print(_markdown(results, impls, args))
     if args.json is not None:
