@@ -43,9 +43,9 @@ pub struct ArcPolicy {
     evictable: Vec<bool>,
     t1_len: usize,
     t2_len: usize,
-    /// Evictable T1 entries by sequence number (oldest first).
+    /// Evictable T1 entries by sequence number (oldest first; pinned and pending ones held).
     t1_evictable: EvictionOrder<u64>,
-    /// Evictable T2 entries by sequence number (oldest first).
+    /// Evictable T2 entries by sequence number (oldest first; pinned and pending ones held).
     t2_evictable: EvictionOrder<u64>,
     next_seq: u64,
     /// Ghost lists B1 and B2, oldest first. Looked up with the keys' precomputed hashes

@@ -26,7 +26,7 @@ pub struct LruPolicy {
     /// Rank of each resident chunk, by chunk id.
     ranks: Vec<Rank>,
     resident: Vec<bool>,
-    /// The evictable chunks by rank (pinned ones held in place).
+    /// The evictable chunks by rank (pinned and pending ones held in place).
     order: EvictionOrder<Rank>,
     /// Held entries an eviction scan walked past, detached when it ends.
     held: Vec<ChunkId>,

@@ -11,8 +11,10 @@
 //! being pinned and released at the same key costs O(1) and touches no neighbour. Iteration
 //! skips held entries and reports them, and the caller detaches them after an eviction scan, so
 //! a scan walks past a held chunk at most once per pin: eviction costs amortised O(1) per victim
-//! whatever the number of pinned chunks. A held chunk released after being detached (or whose
-//! key changed meanwhile) is inserted anew.
+//! whatever the number of pinned chunks. A chunk that is not evictable (pinned, or a pending
+//! store) and gets a new key can be held at it directly (`insert_held`: the policies do so when
+//! they re-rank a held chunk or take in a pending one), so its release there is O(1) as well. A
+//! held chunk released after being detached (or at another key) is inserted anew.
 
 use crate::error::{ensure, Result};
 use crate::pool::ChunkId;
