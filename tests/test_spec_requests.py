@@ -309,6 +309,40 @@ def test_vllm_shaped_context(make_manager: MakeManager) -> None:
     m.check_invariants()
 
 
+def test_finish_asks_positions_with_the_first_offered_keys(make_manager: MakeManager) -> None:
+    """As vLLM does: the objects a request first offered each key as, not copies."""
+    asked: list[bytes] = []
+
+    class RecordingContext:
+        __slots__ = ("_s",)
+
+        def __init__(self) -> None:
+            self._s: dict[type, Any] = {}
+
+        def get_state(self, cls: type) -> Any:
+            return self._s.get(cls)
+
+        def set_state(self, val: Any) -> None:
+            self._s[type(val)] = val
+
+        def get_offload_key_position(self, key: bytes) -> int | None:
+            asked.append(key)
+            return None
+
+    m = make_manager(8)
+    req = RecordingContext()
+    first = [bytes(x) for x in ks(1, 2, 3)]  # fresh objects, equal to ks(1, 2, 3)
+    out = m.prepare_store(first[:2], req)
+    m.complete_store(out.keys_to_store, req)
+    m.prepare_load([bytes(x) for x in first[:2]], req)  # equal copies: already seen
+    m.complete_load(first[:2], req)
+    m.prepare_store([bytes(first[0]), first[2]], req)
+    asked.clear()
+    m.on_request_finished(req)
+    assert {id(a) for a in asked} == {id(f) for f in first}  # the very objects, each asked
+    m.check_invariants()
+
+
 # === reset_cache =============================================================================
 
 

@@ -1042,6 +1042,7 @@ impl Manager {
         which: &[usize],
     ) -> bool {
         req.reserve(which.len());
+        req.added.clear();
         let mut new: Scratch<Access<'_>> = SmallVec::new();
         for &i in which {
             if call.slots[i].is_none() {
@@ -1052,6 +1053,7 @@ impl Manager {
                     continue;
                 }
                 call.slots[i] = Some(req.add(k, h) as u32);
+                req.added.push(i as u32);
                 new.push(call.access(i, resident[i]));
             }
         }

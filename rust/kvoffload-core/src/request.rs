@@ -39,6 +39,9 @@ pub struct RequestState {
     /// Sketch hashes of the keys this request has counted in a `TinyLFU` sketch.
     pub(crate) counted: HashSet<u64>,
     pub(crate) seen: Vec<SeenKey>,
+    /// For each key the last recording call added to `seen` (in `seen` order): its index among
+    /// that call's keys. Lets a caller keep something per seen key (its key object, say).
+    pub(crate) added: Vec<u32>,
 }
 
 impl RequestState {
@@ -51,6 +54,7 @@ impl RequestState {
             table: HashTable::new(),
             counted: HashSet::new(),
             seen: Vec::new(),
+            added: Vec::new(),
         }
     }
 
@@ -64,6 +68,14 @@ impl RequestState {
     #[must_use]
     pub fn seen_keys(&self) -> impl ExactSizeIterator<Item = &[u8]> {
         self.seen.iter().map(|s| s.key.as_slice())
+    }
+
+    /// For each key the last successful recording call (`prepare_load`, `prepare_store`) added
+    /// to [`seen_keys`](Self::seen_keys), in that order: its index among the call's keys. Empty
+    /// after a call that failed.
+    #[must_use]
+    pub fn last_added(&self) -> &[u32] {
+        &self.added
     }
 
     /// Index of `key` among [`seen_keys`](Self::seen_keys), if the request saw it.
@@ -91,6 +103,7 @@ impl RequestState {
 
     /// Forget the keys added after the first `len` (undoing a call that failed).
     pub(crate) fn truncate(&mut self, len: usize) {
+        self.added.clear();
         while self.seen.len() > len {
             let i = self.seen.len() - 1;
             let hash = self.seen[i].hash;

@@ -334,11 +334,6 @@ impl<'py> Context<'py> {
         self.dicts.as_ref().is_none_or(|(_, p)| !p.is_empty())
     }
 
-    /// The positions dict of a kvoffload `ReqContext` (`None` for other context types).
-    pub(crate) fn position_dict(&self) -> Option<&Bound<'py, PyDict>> {
-        self.dicts.as_ref().map(|(_, p)| p)
-    }
-
     /// The position of one key object, or `None`.
     pub(crate) fn position(&self, key: &Bound<'py, PyAny>) -> PyResult<Option<i64>> {
         let v = match &self.dicts {

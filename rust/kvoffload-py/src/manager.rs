@@ -4,7 +4,7 @@
 //! policy is refused. Either way a held lock is waited for detached from the interpreter.
 
 use crate::errors::{poisoned, raise, to_py};
-use crate::keys::{one_key, position_value, result_types, Context, Keys, ResultTypes};
+use crate::keys::{one_key, result_types, Context, Keys, ResultTypes};
 use crate::liveness::Liveness;
 use crate::policy::external::PythonPolicy;
 use crate::policy::state::{state_dict, state_keys};
@@ -299,15 +299,7 @@ impl ManagerCore {
             }
         }
         let fresh = self.lock(py)?.new_request_state();
-        Ok((
-            Bound::new(
-                py,
-                RequestState {
-                    inner: Mutex::new(fresh),
-                },
-            )?,
-            true,
-        ))
+        Ok((Bound::new(py, RequestState::new(fresh))?, true))
     }
 
     /// The keys of `keys` whose residency is `resident`, in order.
@@ -347,56 +339,43 @@ impl ManagerCore {
         }
     }
 
-    /// Positions of a finishing request's seen keys, read by walking the context's positions
-    /// dict once (no bytes object per seen key). `None`: the state is stale or finished.
-    fn finish_positions_from_dict(
-        &self,
-        py: Python<'_>,
-        dict: &Bound<'_, PyDict>,
-        state: &Bound<'_, RequestState>,
-    ) -> PyResult<Option<Vec<Option<i64>>>> {
-        let mut items: Vec<(Bound<'_, PyBytes>, Bound<'_, PyAny>)> = Vec::with_capacity(dict.len());
-        items.extend(
-            dict.iter()
-                .filter_map(|(k, v)| k.cast_into::<PyBytes>().ok().map(|k| (k, v))),
-        );
-        let found = self.with_state(py, state.get(), |m, s| {
-            (m.is_current(s) && !s.is_finished()).then(|| {
-                let slots: Vec<Option<usize>> = items
-                    .iter()
-                    .map(|(k, _)| s.index_of(k.as_bytes()))
-                    .collect();
-                (s.seen_keys().len(), slots)
-            })
-        })?;
-        let Some((n, slots)) = found else {
-            return Ok(None);
-        };
-        let mut positions = vec![None; n];
-        for ((_, v), slot) in items.iter().zip(slots) {
-            if let Some(i) = slot {
-                positions[i] = position_value(v)?;
-            }
-        }
-        Ok(Some(positions))
-    }
-
-    /// Positions of a finishing request's seen keys through `get_offload_key_position`.
-    fn finish_positions_by_call(
+    /// Positions of a finishing request's seen keys, asked of the context with the key object
+    /// each was first offered as (a fresh `bytes` where none is kept). `None`: the state is
+    /// stale or finished. The context is read while no lock is held.
+    fn finish_positions(
         &self,
         py: Python<'_>,
         ctx: &Context<'_>,
         state: &Bound<'_, RequestState>,
     ) -> PyResult<Option<Vec<Option<i64>>>> {
-        let seen = self.with_state(py, state.get(), |m, s| {
-            (m.is_current(s) && !s.is_finished())
-                .then(|| s.seen_keys().map(<[u8]>::to_vec).collect::<Vec<_>>())
+        let st = state.get();
+        let found = self.with_state(py, st, |m, s| {
+            (m.is_current(s) && !s.is_finished()).then(|| {
+                let objs = st.objs.lock().ok();
+                s.seen_keys()
+                    .enumerate()
+                    .map(|(j, key)| {
+                        let kept = objs
+                            .as_ref()
+                            .and_then(|o| o.get(j))
+                            .and_then(Option::as_ref);
+                        match kept {
+                            Some(obj) if obj.bind(py).as_bytes() == key => Ok(obj.clone_ref(py)),
+                            _ => Err(key.to_vec()),
+                        }
+                    })
+                    .collect::<Vec<_>>()
+            })
         })?;
-        let Some(seen) = seen else {
+        let Some(found) = found else {
             return Ok(None);
         };
-        seen.iter()
-            .map(|k| ctx.position(PyBytes::new(py, k).as_any()))
+        found
+            .into_iter()
+            .map(|key| match key {
+                Ok(obj) => ctx.position(obj.bind(py).as_any()),
+                Err(bytes) => ctx.position(PyBytes::new(py, &bytes).as_any()),
+            })
             .collect::<PyResult<Vec<_>>>()
             .map(Some)
     }
@@ -628,7 +607,7 @@ impl ManagerCore {
             ctx.set_state(state.as_any())?;
         }
         let slices = keys.slices();
-        let (chunks, raised) = self.policy_call(
+        let ((chunks, mark, added), raised) = self.policy_call(
             py,
             Some(ctx.object()),
             &keys.objs,
@@ -636,10 +615,13 @@ impl ManagerCore {
             |m, s| {
                 let s = s.expect("state given");
                 renew_if_stale(m, s);
-                m.prepare_load(&slices, positions.as_deref(), s)
+                let mark = s.seen_keys().len();
+                let chunks = m.prepare_load(&slices, positions.as_deref(), s);
+                (chunks, mark, s.last_added().to_vec())
             },
         )?;
         let chunks = settle(py, chunks, raised)?;
+        state.get().keep_objects(mark, &added, &keys.objs);
         spec(py, self.types(py)?, &chunks)
     }
 
@@ -710,7 +692,7 @@ impl ManagerCore {
         // Owned references, moved into the table by the core call (which may run detached).
         let mut owned: Vec<Option<Py<PyBytes>>> =
             keys.objs.iter().map(|k| Some(k.clone().unbind())).collect();
-        let ((outcome, evicted_objs, dropped), raised) = self.policy_call(
+        let ((outcome, evicted_objs, dropped, mark, added), raised) = self.policy_call(
             py,
             Some(ctx.object()),
             &keys.objs,
@@ -721,6 +703,7 @@ impl ManagerCore {
                 }
                 let s = s.expect("state given");
                 renew_if_stale(m, s);
+                let mark = s.seen_keys().len();
                 let outcome = m.prepare_store(&slices, positions.as_deref(), s);
                 let mut objs = Vec::new();
                 let mut dropped = Vec::new();
@@ -737,11 +720,12 @@ impl ManagerCore {
                     Err(_) if self.python_policy => dropped = m.forget_evicted(),
                     _ => {}
                 }
-                (outcome, objs, dropped)
+                (outcome, objs, dropped, mark, s.last_added().to_vec())
             },
         )?;
         drop((dropped, owned));
         let outcome = settle(py, outcome, raised)?;
+        state.get().keep_objects(mark, &added, &keys.objs);
         let Some(out) = outcome else { return Ok(None) };
         let to_store = PyList::new(py, out.to_store.iter().map(|&i| &keys.objs[i]))?;
         // The stored objects of the victims; a fresh `bytes` only if one is missing.
@@ -812,11 +796,7 @@ impl ManagerCore {
             return Ok(());
         };
         // Positions are read (Python) while no lock is held.
-        let positions = if let Some(dict) = ctx.position_dict() {
-            self.finish_positions_from_dict(py, dict, &state)?
-        } else {
-            self.finish_positions_by_call(py, &ctx, &state)?
-        };
+        let positions = self.finish_positions(py, &ctx, &state)?;
         let Some(positions) = positions else {
             return Ok(());
         };

@@ -4,12 +4,40 @@
 
 use kvoffload_core as core;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use std::sync::Mutex;
 
 /// Opaque per-request state of a `ManagerCore`, kept on the request context.
 #[pyclass(frozen, module = "kvoffload._native")]
 pub(crate) struct RequestState {
     pub(crate) inner: Mutex<core::RequestState>,
+    /// The key object each seen key was first offered as, by its index among the core state's
+    /// seen keys: `on_request_finished` asks the context for positions with these objects, as
+    /// vLLM does with the keys it recorded. An entry is used only while it holds its seen key's
+    /// bytes (`None`, or out of step after a race on one context: the bytes are used instead).
+    pub(crate) objs: Mutex<Vec<Option<Py<PyBytes>>>>,
+}
+
+impl RequestState {
+    pub(crate) fn new(inner: core::RequestState) -> Self {
+        Self {
+            inner: Mutex::new(inner),
+            objs: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Keep the objects of the keys a successful recording call added to the seen keys: the
+    /// seen keys numbered `mark` on are `keys[i]` for `i` in `added`, in order.
+    pub(crate) fn keep_objects(&self, mark: usize, added: &[u32], keys: &[Bound<'_, PyBytes>]) {
+        if let Ok(mut objs) = self.objs.lock() {
+            objs.resize_with(mark, || None);
+            objs.extend(
+                added
+                    .iter()
+                    .map(|&i| keys.get(i as usize).map(|k| k.clone().unbind())),
+            );
+        }
+    }
 }
 
 #[pymethods]
