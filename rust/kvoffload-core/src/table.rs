@@ -1128,6 +1128,19 @@ impl std::fmt::Debug for Slots {
     }
 }
 
+/// `n` distinct keys whose hashes fall in bucket `b` of any table of up to 64 buckets, so they
+/// share one chain: for the unit tests below and the loom models (`tests/loom.rs`).
+#[cfg(any(test, loom))]
+#[doc(hidden)]
+#[must_use]
+pub fn colliding_keys(b: u64, n: usize) -> Vec<Vec<u8>> {
+    (0u32..)
+        .map(|i| format!("key{i}").into_bytes())
+        .filter(|k| hash_key(k) % 64 == b)
+        .take(n)
+        .collect()
+}
+
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
@@ -1140,15 +1153,6 @@ mod tests {
     fn put(t: &mut Slots, c: ChunkId, key: &[u8]) {
         t.insert(c, key, hash_key(key));
         assert!(t.complete_store(c));
-    }
-
-    /// `n` distinct keys whose hashes share bucket `b` of any table of up to 64 buckets.
-    fn colliding(b: u64, n: usize) -> Vec<Vec<u8>> {
-        (0u32..)
-            .map(|i| format!("key{i}").into_bytes())
-            .filter(|k| hash_key(k) % 64 == b)
-            .take(n)
-            .collect()
     }
 
     #[test]
@@ -1177,7 +1181,7 @@ mod tests {
     #[test]
     fn colliding_keys_chain_and_unlink_anywhere() {
         let mut t = table(4);
-        let ks = colliding(7, 5);
+        let ks = colliding_keys(7, 5);
         for (c, k) in ks[..4].iter().enumerate() {
             put(&mut t, c as ChunkId, k);
         }
@@ -1316,7 +1320,7 @@ mod tests {
         // Keys 0..8 stay resident and ready throughout; keys 8..16 come and go through slots
         // 8..12, all in one bucket so chains are rebuilt under the readers.
         let mut t = table(12);
-        let ks = colliding(5, 16);
+        let ks = colliding_keys(5, 16);
         for c in 0..8u32 {
             put(&mut t, c, &ks[c as usize]);
         }

@@ -8,6 +8,7 @@
 //! preemptions per execution.
 #![cfg(loom)]
 
+use kvoffload_core::table::colliding_keys;
 use kvoffload_core::{hash_key, ChunkState, Probe, Release, Slots};
 use loom::thread;
 
@@ -30,24 +31,14 @@ fn ready(n: u32, keys: &[&[u8]]) -> Slots {
     t
 }
 
-/// `n` distinct keys whose hashes fall in bucket `b` of any table of up to 64 buckets: they share
-/// one chain.
-fn colliding(b: u64, n: usize) -> Vec<Vec<u8>> {
-    (0u32..)
-        .map(|i| format!("key{i}").into_bytes())
-        .filter(|k| hash_key(k) % 64 == b)
-        .take(n)
-        .collect()
-}
-
 /// Bucket 0 holds `x` in its one entry (under loom) and the chain `a -> b`. The writer removes
 /// the key of slot `gone` (0: `x`, from the entry; 2: `a`, the chain's head) and gives that slot
 /// to `c`, in the same bucket or in another one. The reader looks for `b`, which stays: it must
 /// find it even when the slot it stands on moves away.
 fn reader_during_rebuild(gone: u32, c_bucket: u64) {
     model(move || {
-        let same = colliding(0, 3);
-        let c_key = colliding(c_bucket, 4).pop().unwrap();
+        let same = colliding_keys(0, 3);
+        let c_key = colliding_keys(c_bucket, 4).pop().unwrap();
         let mut t = ready(3, &[&same[0], &same[1], &same[2]]);
         let shared = t.shared();
         let b_key = same[1].clone();
