@@ -274,25 +274,30 @@ def test_request_state_is_per_manager(make_manager: MakeManager) -> None:
     m2.check_invariants()
 
 
+class DuckContext:
+    """Only the three methods the manager may use; no other attributes. The keys it is asked
+    positions for are appended to ``asked`` when one is given."""
+
+    __slots__ = ("_asked", "_p", "_s")
+
+    def __init__(self, positions: dict[bytes, int], asked: list[bytes] | None = None) -> None:
+        self._p = positions
+        self._asked = asked
+        self._s: dict[type, Any] = {}
+
+    def get_state(self, cls: type) -> Any:
+        return self._s.get(cls)
+
+    def set_state(self, val: Any) -> None:
+        self._s[type(val)] = val
+
+    def get_offload_key_position(self, key: bytes) -> int | None:
+        if self._asked is not None:
+            self._asked.append(key)
+        return self._p.get(key)
+
+
 def test_vllm_shaped_context(make_manager: MakeManager) -> None:
-    class DuckContext:
-        """Only the three methods the manager may use; no other attributes."""
-
-        __slots__ = ("_p", "_s")
-
-        def __init__(self, positions: dict[bytes, int]) -> None:
-            self._p = positions
-            self._s: dict[type, Any] = {}
-
-        def get_state(self, cls: type) -> Any:
-            return self._s.get(cls)
-
-        def set_state(self, val: Any) -> None:
-            self._s[type(val)] = val
-
-        def get_offload_key_position(self, key: bytes) -> int | None:
-            return self._p.get(key)
-
     m = make_manager(8)
     req = DuckContext({k(3): 48, k(1): 16, k(2): 32})
     m.on_new_request(req)
@@ -312,31 +317,18 @@ def test_vllm_shaped_context(make_manager: MakeManager) -> None:
 def test_finish_asks_positions_with_the_first_offered_keys(make_manager: MakeManager) -> None:
     """As vLLM does: the objects a request first offered each key as, not copies."""
     asked: list[bytes] = []
-
-    class RecordingContext:
-        __slots__ = ("_s",)
-
-        def __init__(self) -> None:
-            self._s: dict[type, Any] = {}
-
-        def get_state(self, cls: type) -> Any:
-            return self._s.get(cls)
-
-        def set_state(self, val: Any) -> None:
-            self._s[type(val)] = val
-
-        def get_offload_key_position(self, key: bytes) -> int | None:
-            asked.append(key)
-            return None
-
     m = make_manager(8)
-    req = RecordingContext()
-    first = [bytes(x) for x in ks(1, 2, 3)]  # fresh objects, equal to ks(1, 2, 3)
+    req = DuckContext({}, asked)
+    first = ks(1, 2, 3)
+
+    def copy(key: bytes) -> bytes:
+        return bytes(bytearray(key))  # an equal object, not the same one
+
     out = m.prepare_store(first[:2], req)
     m.complete_store(out.keys_to_store, req)
-    m.prepare_load([bytes(x) for x in first[:2]], req)  # equal copies: already seen
+    m.prepare_load([copy(x) for x in first[:2]], req)  # equal copies: already seen
     m.complete_load(first[:2], req)
-    m.prepare_store([bytes(first[0]), first[2]], req)
+    m.prepare_store([copy(first[0]), first[2]], req)
     asked.clear()
     m.on_request_finished(req)
     assert {id(a) for a in asked} == {id(f) for f in first}  # the very objects, each asked
