@@ -29,6 +29,7 @@ from _helpers import (
     store,
 )
 from kvoffload import (
+    KeyStateError,
     ReqContext,
     RequestFinishedError,
 )
@@ -532,3 +533,32 @@ def test_hot_calls_cross_into_rust_directly() -> None:
     assert counting.lookup(k(1), ctx) == MISS
     assert Counting.looked_up == 1
     assert counting.prepare_store == counting._core.prepare_store
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_completions_by_prepared_objects_copies_or_stale_ones(
+    make_manager: MakeManager, policy: str
+) -> None:
+    # The Rust manager remembers which chunk each object it just stored or loaded went to and
+    # checks that guess against the chunk's key: the same objects, equal copies, and objects
+    # whose chunk has since gone to another key must all complete exactly as vLLM's would.
+    m = make_manager(2, cache_policy=policy)
+    ctx = ReqContext(req_id="")
+    first = ks(1, 2)
+    m.complete_store(m.prepare_store(first, ctx).keys_to_store, ctx)  # the very objects
+    m.complete_store([bytes(bytearray(key)) for key in first], ctx)  # no longer pending: ignored
+    out = m.prepare_store(ks(3, 4), ReqContext(req_id="other"))  # evicts 1 and 2
+    assert sorted(out.evicted_keys) == ks(1, 2)
+    # 1 and 2 are gone and 3 and 4 now hold their chunks: a guess from 1 and 2 must not hit.
+    m.complete_store(first, ctx)
+    assert [m.lookup(key, ctx) for key in ks(3, 4)] == [PENDING, PENDING]
+    m.complete_store([bytes(bytearray(key)) for key in ks(3, 4)], ctx)  # copies complete them
+    assert [m.lookup(key, ctx) for key in ks(3, 4)] == [HIT, HIT]
+    loaded = ks(3, 4)
+    m.prepare_load(loaded, ctx)
+    with pytest.raises(KeyStateError):
+        m.complete_load(first, ctx)  # stale objects: not being loaded, nothing released
+    m.complete_load([bytes(bytearray(key)) for key in loaded], ctx)
+    with pytest.raises(KeyStateError):
+        m.complete_load(loaded, ctx)  # every pin already released
+    m.check_invariants()

@@ -337,6 +337,34 @@ impl Manager {
             .collect()
     }
 
+    /// [`resolve`](Self::resolve) with a guess per key: `hints[i]`, a chunk that may hold
+    /// `keys[i]` (empty: no guesses). A guess is used only when its slot holds that very key,
+    /// so a wrong or stale one costs a comparison; the other keys are hashed and looked up.
+    fn resolve_hinted(
+        &self,
+        keys: &[&[u8]],
+        hints: &[Option<ChunkId>],
+    ) -> Scratch<Option<ChunkId>> {
+        if hints.len() != keys.len() {
+            let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
+            return self.resolve(keys, &hashes);
+        }
+        let mut found: Scratch<Option<ChunkId>> = keys
+            .iter()
+            .zip(hints)
+            .map(|(k, h)| h.filter(|&c| self.slots.holds_at(c, k)))
+            .collect();
+        let rest: Scratch<usize> = (0..keys.len()).filter(|&i| found[i].is_none()).collect();
+        if !rest.is_empty() {
+            let rest_keys: Scratch<&[u8]> = rest.iter().map(|&i| keys[i]).collect();
+            let hashes: Scratch<u64> = rest_keys.iter().map(|k| hash_key(k)).collect();
+            for (&i, c) in rest.iter().zip(self.resolve(&rest_keys, &hashes)) {
+                found[i] = c;
+            }
+        }
+        found
+    }
+
     fn chunk_of(&self, key: &[u8]) -> Option<ChunkId> {
         self.find(key, hash_key(key))
     }
@@ -408,10 +436,13 @@ impl Manager {
             }
             chunks.push(c);
         }
-        for (c, times) in multiplicities(&chunks) {
+        let repeats = multiplicities(&chunks);
+        for &(c, times) in &repeats {
             self.slots.check_pin(c, times)?;
         }
-        let mut call = Call::new(keys, &hashes, positions, req);
+        // Distinct chunks: distinct keys.
+        let distinct = repeats.len() == chunks.len();
+        let mut call = Call::new(keys, &hashes, positions, req, distinct);
         call.check_may_record(req, 0..keys.len())?;
 
         for (n, &c) in chunks.iter().enumerate() {
@@ -440,9 +471,19 @@ impl Manager {
 
     /// Release one pin per key; a chunk whose count reaches 0 is evictable again.
     pub fn complete_load(&mut self, keys: &[&[u8]]) -> Result<()> {
+        self.complete_load_hinted(keys, &[])
+    }
+
+    /// [`complete_load`](Self::complete_load) given a guess of each key's chunk (`hints[i]`
+    /// for `keys[i]`; empty: none). Guesses only save work: a wrong one is checked and
+    /// ignored, and the result is the same.
+    pub fn complete_load_hinted(
+        &mut self,
+        keys: &[&[u8]],
+        hints: &[Option<ChunkId>],
+    ) -> Result<()> {
         self.apply_releases();
-        let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
-        let found = self.resolve(keys, &hashes);
+        let found = self.resolve_hinted(keys, hints);
         let mut chunks: Scratch<ChunkId> = SmallVec::with_capacity(keys.len());
         for (k, &c) in keys.iter().zip(&found) {
             let pinned =
@@ -519,33 +560,45 @@ impl Manager {
             Some(_) => keys.iter().map(|k| sketch_hash(k)).collect(),
             None => SmallVec::new(),
         };
-        let status: Scratch<Offered> = keys
-            .iter()
-            .zip(&found)
-            .enumerate()
-            .map(|(i, (k, &c))| match c {
+        // One pass sorts the keys: each key's status, the keys the call records (admitted
+        // absent or readable), the candidates (admitted absent), the readable ones and each
+        // key's chunk.
+        let n = keys.len();
+        let mut status: Scratch<Offered> = SmallVec::with_capacity(n);
+        let mut recorded: Scratch<usize> = SmallVec::new();
+        let mut candidates: Scratch<usize> = SmallVec::new();
+        let mut readable: Scratch<usize> = SmallVec::new();
+        let mut resident: Scratch<Option<ChunkId>> = SmallVec::with_capacity(n);
+        for (i, (k, &c)) in keys.iter().zip(&found).enumerate() {
+            let s = match c {
                 None => Offered::Absent {
                     admitted: self.would_admit(k, sketch_hashes.get(i).copied(), req),
                 },
                 Some(c) if self.slots.state(c) == ChunkState::Pending => Offered::Pending(c),
                 Some(c) => Offered::Readable(c),
-            })
-            .collect();
-        let recorded: Scratch<usize> = (0..keys.len())
-            .filter(|&i| {
-                matches!(
-                    status[i],
-                    Offered::Absent { admitted: true } | Offered::Readable(_)
-                )
-            })
-            .collect();
-        let mut call = Call::new(keys, &hashes, positions, req);
+            };
+            match s {
+                Offered::Absent { admitted } => {
+                    if admitted {
+                        recorded.push(i);
+                        candidates.push(i);
+                    }
+                    resident.push(None);
+                }
+                Offered::Readable(c) => {
+                    recorded.push(i);
+                    readable.push(i);
+                    resident.push(Some(c));
+                }
+                Offered::Pending(c) => resident.push(Some(c)),
+            }
+            status.push(s);
+        }
+        // Distinct keys: checked above.
+        let mut call = Call::new(keys, &hashes, positions, req, true);
         call.check_may_record(req, recorded.iter().copied())?;
 
-        // 1-3: the candidates are the absent keys the threshold admits.
-        let candidates: Scratch<usize> = (0..keys.len())
-            .filter(|&i| status[i] == Offered::Absent { admitted: true })
-            .collect();
+        // 1-3: the candidates are the absent keys the threshold admits (above).
         // 4: report misses this request has not reported yet.
         let new_misses: Scratch<usize> = candidates
             .iter()
@@ -561,13 +614,6 @@ impl Manager {
             }
         }
         // 5: record the access (the flags are set once nothing can fail any more).
-        let resident: Scratch<Option<ChunkId>> = status
-            .iter()
-            .map(|s| match *s {
-                Offered::Pending(c) | Offered::Readable(c) => Some(c),
-                Offered::Absent { .. } => None,
-            })
-            .collect();
         let mark = req.seen.len();
         if !self.record_new(req, &mut call, &resident, &recorded) {
             req.truncate(mark);
@@ -591,11 +637,6 @@ impl Manager {
             .filter(|s| matches!(s, Offered::Absent { .. }))
             .count();
         self.count_offer(keys, &sketch_hashes, req, absent - candidates.len());
-        let readable: Scratch<usize> = recorded
-            .iter()
-            .copied()
-            .filter(|&i| matches!(status[i], Offered::Readable(_)))
-            .collect();
         mark_reused(req, &call, &readable);
         set_flag(req, &call, &new_misses, REPORTED);
         // 6-7.
@@ -618,12 +659,23 @@ impl Manager {
     /// Finish stores: pending keys become ready (`success`) or are dropped (failure). Other keys
     /// are ignored. At most one event is queued. Returns the chunks freed (failure only).
     pub fn complete_store(&mut self, keys: &[&[u8]], success: bool) -> Vec<ChunkId> {
+        self.complete_store_hinted(keys, &[], success)
+    }
+
+    /// [`complete_store`](Self::complete_store) given a guess of each key's chunk (`hints[i]`
+    /// for `keys[i]`; empty: none). Guesses only save work: a wrong one is checked and
+    /// ignored, and the result is the same.
+    pub fn complete_store_hinted(
+        &mut self,
+        keys: &[&[u8]],
+        hints: &[Option<ChunkId>],
+        success: bool,
+    ) -> Vec<ChunkId> {
         self.apply_releases();
         let mut freed = Vec::new();
         let mut done: Vec<KeyBuf> = Vec::new();
         let keep = self.events.is_some();
-        let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
-        let found = self.resolve(keys, &hashes);
+        let found = self.resolve_hinted(keys, hints);
         for (k, &c) in keys.iter().zip(&found) {
             let Some(c) = c else { continue };
             if self.slots.state(c) != ChunkState::Pending {
@@ -1048,9 +1100,11 @@ impl Manager {
             if call.slots[i].is_none() {
                 // A key repeated within the call was added by its first occurrence.
                 let (k, h) = (call.keys[i], call.hashes[i]);
-                if let Some(j) = req.find(k, h) {
-                    call.slots[i] = Some(j as u32);
-                    continue;
+                if !call.distinct {
+                    if let Some(j) = req.find(k, h) {
+                        call.slots[i] = Some(j as u32);
+                        continue;
+                    }
                 }
                 call.slots[i] = Some(req.add(k, h) as u32);
                 req.added.push(i as u32);
@@ -1100,6 +1154,8 @@ struct Call<'k> {
     hashes: &'k [u64],
     positions: Option<&'k [Option<i64>]>,
     slots: Scratch<Option<u32>>,
+    /// No key occurs twice in the call.
+    distinct: bool,
 }
 
 impl<'k> Call<'k> {
@@ -1108,17 +1164,22 @@ impl<'k> Call<'k> {
         hashes: &'k [u64],
         positions: Option<&'k [Option<i64>]>,
         req: &RequestState,
+        distinct: bool,
     ) -> Self {
-        let slots = keys
-            .iter()
-            .zip(hashes)
-            .map(|(k, &h)| req.find(k, h).map(|j| j as u32))
-            .collect();
+        let slots = if req.seen.is_empty() {
+            smallvec::smallvec![None; keys.len()]
+        } else {
+            keys.iter()
+                .zip(hashes)
+                .map(|(k, &h)| req.find(k, h).map(|j| j as u32))
+                .collect()
+        };
         Self {
             keys,
             hashes,
             positions,
             slots,
+            distinct,
         }
     }
 

@@ -678,6 +678,14 @@ impl Slots {
             }
     }
 
+    /// Whether slot `c` (any id) holds `key`: checked without hashing `key` or probing the
+    /// index, for a caller that has a good guess of the slot.
+    #[inline]
+    #[must_use]
+    pub fn holds_at(&self, c: ChunkId, key: &[u8]) -> bool {
+        self.code(c) != ABSENT && self.holds(c, key, self.hash(c))
+    }
+
     /// The first slot of `hash`'s chain, without comparing keys: a guess to prefetch.
     #[inline]
     #[must_use]

@@ -50,6 +50,55 @@ impl LockError {
 struct Core {
     manager: Manager,
     keys: Vec<Option<Py<PyBytes>>>,
+    /// The chunk each recently stored or loaded key object went to, by the object's address.
+    memo: ChunkMemo,
+}
+
+/// Entries of a [`ChunkMemo`] (a power of two).
+const MEMO_ENTRIES: usize = 1024;
+
+/// A small direct-mapped table from a key object's address to the chunk the object was last
+/// stored to or loaded from. `complete_store` and `complete_load` usually get the very objects
+/// of the `prepare_store` or `prepare_load` before them, and pass these guesses to the core,
+/// which checks each against its slot's key bytes (a stale or reused address costs one
+/// comparison and changes no result) instead of hashing the key and probing the index.
+struct ChunkMemo {
+    entries: Box<[(usize, core::ChunkId)]>,
+}
+
+impl ChunkMemo {
+    fn new() -> Self {
+        Self {
+            entries: vec![(0, 0); MEMO_ENTRIES].into_boxed_slice(),
+        }
+    }
+
+    fn index(addr: usize) -> usize {
+        let spread = (addr as u64 >> 4).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        (spread >> (64 - MEMO_ENTRIES.trailing_zeros())) as usize
+    }
+
+    /// The object at `addr` went to chunk `c`.
+    fn put(&mut self, addr: usize, c: core::ChunkId) {
+        self.entries[Self::index(addr)] = (addr, c);
+    }
+
+    /// The guessed chunk of each object, by address.
+    fn hints(&self, addrs: &[usize]) -> Vec<Option<core::ChunkId>> {
+        addrs
+            .iter()
+            .map(|&addr| {
+                let (a, c) = self.entries[Self::index(addr)];
+                (a == addr).then_some(c)
+            })
+            .collect()
+    }
+}
+
+/// The addresses of key objects, for a [`ChunkMemo`] (the closures that may run detached
+/// from the interpreter take these, not the objects).
+fn addresses(objs: &[Bound<'_, PyBytes>]) -> Vec<usize> {
+    objs.iter().map(|o| o.as_ptr() as usize).collect()
 }
 
 impl Core {
@@ -534,6 +583,7 @@ impl ManagerCore {
             inner: Mutex::new(Core {
                 manager: inner,
                 keys: Vec::new(),
+                memo: ChunkMemo::new(),
             }),
             reads_positions: config.policy == PolicyKind::Lru && !python_policy,
             policy: name,
@@ -607,6 +657,7 @@ impl ManagerCore {
             ctx.set_state(state.as_any())?;
         }
         let slices = keys.slices();
+        let addrs = addresses(&keys.objs);
         let ((chunks, mark, added), raised) = self.policy_call(
             py,
             Some(ctx.object()),
@@ -617,6 +668,11 @@ impl ManagerCore {
                 renew_if_stale(m, s);
                 let mark = s.seen_keys().len();
                 let chunks = m.prepare_load(&slices, positions.as_deref(), s);
+                if let Ok(chunks) = &chunks {
+                    for (&addr, &c) in addrs.iter().zip(chunks) {
+                        m.memo.put(addr, c);
+                    }
+                }
                 (chunks, mark, s.last_added().to_vec())
             },
         )?;
@@ -641,14 +697,20 @@ impl ManagerCore {
         // manager releases under the lock.
         if !self.python_policy {
             if let Some(mut m) = uncontended(&self.inner) {
-                return m.complete_load(&slices).map_err(|e| to_py(py, e));
+                let hints = m.memo.hints(&addresses(&keys.objs));
+                return m
+                    .complete_load_hinted(&slices, &hints)
+                    .map_err(|e| to_py(py, e));
             }
             if self.table.release(&slices) == core::Release::Done {
                 return Ok(());
             }
         }
-        let (done, raised) =
-            self.policy_call(py, None, &keys.objs, None, |m, _| m.complete_load(&slices))?;
+        let addrs = addresses(&keys.objs);
+        let (done, raised) = self.policy_call(py, None, &keys.objs, None, |m, _| {
+            let hints = m.memo.hints(&addrs);
+            m.complete_load_hinted(&slices, &hints)
+        })?;
         settle(py, done, raised)
     }
 
@@ -689,6 +751,7 @@ impl ManagerCore {
             ctx.set_state(state.as_any())?;
         }
         let slices = keys.slices();
+        let addrs = addresses(&keys.objs);
         // Owned references, moved into the table by the core call (which may run detached).
         let mut owned: Vec<Option<Py<PyBytes>>> =
             keys.objs.iter().map(|k| Some(k.clone().unbind())).collect();
@@ -711,6 +774,7 @@ impl ManagerCore {
                     Ok(Some(out)) => {
                         objs = m.take_keys(&out.evicted_chunks);
                         for (&i, &c) in out.to_store.iter().zip(&out.chunks) {
+                            m.memo.put(addrs[i], c);
                             if let Some(obj) = owned[i].take() {
                                 objs.push(m.put_key(c, obj));
                             }
@@ -768,8 +832,10 @@ impl ManagerCore {
         let Truthy(success) = success;
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
+        let addrs = addresses(&keys.objs);
         let (dropped, raised) = self.policy_call(py, None, &keys.objs, None, |m, _| {
-            let freed = m.complete_store(&slices, success);
+            let hints = m.memo.hints(&addrs);
+            let freed = m.complete_store_hinted(&slices, &hints, success);
             m.take_keys(&freed)
         })?;
         drop(dropped);

@@ -113,6 +113,31 @@ pub(crate) struct Harness {
     step: usize,
 }
 
+/// Guesses of the keys' chunks for the hinted calls, varied by `salt`: none at all, or per
+/// key none, the right chunk, another chunk, or an id past every chunk. The results must not
+/// depend on them.
+fn hints(mgr: &Manager, keys: &[Key], salt: usize) -> Vec<Option<u32>> {
+    if salt % 5 == 0 {
+        return Vec::new();
+    }
+    let resident = mgr.resident();
+    let chunk_of = |k: &Key| {
+        resident
+            .iter()
+            .find(|(r, _, _)| r.as_slice() == k.as_slice())
+            .map(|&(_, c, _)| c)
+    };
+    keys.iter()
+        .enumerate()
+        .map(|(i, k)| match (i + salt) % 4 {
+            0 => None,
+            1 => chunk_of(k),
+            2 => Some(chunk_of(k).map_or(0, |c| c + 1)),
+            _ => Some(u32::MAX - 1),
+        })
+        .collect()
+}
+
 fn refs(keys: &[Key]) -> Vec<&[u8]> {
     keys.iter().map(Vec::as_slice).collect()
 }
@@ -411,6 +436,20 @@ impl Harness {
             .collect()
     }
 
+    /// `complete_store` of some of the stores in flight, on both sides, with chunk guesses.
+    fn complete_store(&mut self, whole_job: bool, picks: &[u8], success: bool) {
+        let keys = self.take_stores(whole_job, picks);
+        let hints = hints(&self.mgr, &keys, picks.len() + usize::from(success));
+        let freed = self
+            .mgr
+            .complete_store_hinted(&refs(&keys), &hints, success);
+        assert_eq!(
+            freed,
+            self.model.complete_store(&keys, success),
+            "freed chunks"
+        );
+    }
+
     pub(crate) fn apply(&mut self, op: &Op) {
         self.step += 1;
         match op {
@@ -438,7 +477,8 @@ impl Harness {
             }
             Op::CompleteLoad { whole_job, picks } => {
                 let keys = self.take_loads(*whole_job, picks);
-                let got = self.mgr.complete_load(&refs(&keys));
+                let hints = hints(&self.mgr, &keys, picks.len());
+                let got = self.mgr.complete_load_hinted(&refs(&keys), &hints);
                 let want = self.model.complete_load(&keys);
                 assert_eq!(got.map_err(|e| refusal(&e)), want, "complete_load {keys:?}");
             }
@@ -460,15 +500,7 @@ impl Harness {
                 whole_job,
                 picks,
                 success,
-            } => {
-                let keys = self.take_stores(*whole_job, picks);
-                let freed = self.mgr.complete_store(&refs(&keys), *success);
-                assert_eq!(
-                    freed,
-                    self.model.complete_store(&keys, *success),
-                    "freed chunks"
-                );
-            }
+            } => self.complete_store(*whole_job, picks, *success),
             Op::Finish { req, renew } => {
                 let slot = self.slot(*req);
                 self.finish(slot);
