@@ -314,6 +314,10 @@ impl CachePolicy for ArcPolicy {
                 Some((KeyBuf::from_slice(a.key), a.hash, list == GhostList::B2))
             });
         }
+        // Each key's index word first, so the misses of a batch overlap.
+        for a in keys {
+            self.ghosts.prefetch(a.hash);
+        }
         for a in keys.iter().rev() {
             self.ghost_hit(a.key, a.hash);
         }
@@ -389,6 +393,12 @@ impl CachePolicy for ArcPolicy {
             out.truncate(start);
             return false;
         }
+        // The victims' index words and the oldest ghosts first, so the misses overlap.
+        for &c in &out[start..] {
+            self.ghosts.prefetch(keys.hash(c));
+        }
+        self.ghosts.prefetch_oldest(GhostList::B1);
+        self.ghosts.prefetch_oldest(GhostList::B2);
         for &c in &out[start..] {
             // A victim of T1's scan is in T1 until this unlink.
             let list = if self.unlink(c) == List::T1 {
