@@ -16,6 +16,10 @@ pub(crate) const REUSED: u8 = 2;
 /// The key was reported to the policy's `on_store_miss` for this request.
 pub(crate) const REPORTED: u8 = 4;
 
+/// Keys the index of a request's first recording call makes room for (a few KiB): a request
+/// records a batch at a time, and growing from a small table would rehash at every batch.
+const FIRST_INDEX: usize = 256;
+
 /// A key the request saw and how it used it.
 #[derive(Debug, Clone)]
 pub(crate) struct SeenKey {
@@ -94,11 +98,16 @@ impl RequestState {
             .map(|&i| i as usize)
     }
 
-    /// Make room for `n` more keys.
+    /// Make room for `n` more keys. The index starts at [`FIRST_INDEX`] keys and at least
+    /// doubles when it grows, so a request's keys are moved by few rehashes.
     pub(crate) fn reserve(&mut self, n: usize) {
         self.seen.reserve(n);
-        let seen = &self.seen;
-        self.table.reserve(n, |&j| seen[j as usize].hash);
+        let len = self.seen.len();
+        let extra = n.max(len).max(FIRST_INDEX.saturating_sub(len));
+        if self.table.capacity() - self.table.len() < n {
+            let seen = &self.seen;
+            self.table.reserve(extra, |&j| seen[j as usize].hash);
+        }
     }
 
     /// Forget the keys added after the first `len` (undoing a call that failed).

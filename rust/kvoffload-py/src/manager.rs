@@ -793,17 +793,17 @@ impl ManagerCore {
         let Some(out) = outcome else { return Ok(None) };
         let to_store = PyList::new(py, out.to_store.iter().map(|&i| &keys.objs[i]))?;
         // The stored objects of the victims; a fresh `bytes` only if one is missing.
+        // The objects move into the list (no reference count traffic).
         let evicted = PyList::new(
             py,
             out.evicted
                 .iter()
-                .zip(&evicted_objs)
+                .zip(evicted_objs)
                 .map(|(k, obj)| match obj {
-                    Some(obj) => obj.bind(py).clone(),
+                    Some(obj) => obj.into_bound(py),
                     None => PyBytes::new(py, k),
                 }),
         )?;
-        drop(evicted_objs);
         let types = self.types(py)?;
         let output = types.prepare_store_output.build(
             py,
