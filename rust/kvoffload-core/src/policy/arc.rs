@@ -203,6 +203,24 @@ impl ArcPolicy {
         l
     }
 
+    /// Start loading `chunk`'s entry in the order of its list; changes nothing.
+    fn prefetch_order_entry(&self, chunk: ChunkId) {
+        match self.list.get(chunk as usize).map(|x| x.0) {
+            Some(List::T1) => self.t1_evictable.prefetch(chunk),
+            Some(List::T2) => self.t2_evictable.prefetch(chunk),
+            _ => {}
+        }
+    }
+
+    /// Start loading the neighbours of `chunk` in the order of its list; changes nothing.
+    fn prefetch_neighbours(&self, chunk: ChunkId) {
+        match self.list.get(chunk as usize).map(|x| x.0) {
+            Some(List::T1) => self.t1_evictable.prefetch_neighbours(chunk),
+            Some(List::T2) => self.t2_evictable.prefetch_neighbours(chunk),
+            _ => {}
+        }
+    }
+
     /// Put `chunk` at the newest end of list `l`.
     fn push_newest(&mut self, chunk: ChunkId, l: List) {
         self.unlink(chunk);
@@ -292,6 +310,18 @@ impl CachePolicy for ArcPolicy {
     }
 
     fn touch(&mut self, keys: &[Access<'_>], refs: &Slots) {
+        // The entries of the orders the chunks are in (their lists were prefetched with the
+        // keys), then their neighbours, which unlinking rewrites: the misses overlap.
+        for a in keys {
+            if let Some(c) = a.chunk {
+                self.prefetch_order_entry(c);
+            }
+        }
+        for a in keys {
+            if let Some(c) = a.chunk {
+                self.prefetch_neighbours(c);
+            }
+        }
         for a in keys.iter().rev() {
             match a.chunk.map(|c| (c, self.list[c as usize].0)) {
                 Some((c, List::T1)) => {
