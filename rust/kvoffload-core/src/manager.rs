@@ -320,6 +320,17 @@ impl Manager {
     /// The chunk of each key, resolved with the cache misses of the batch overlapped: every
     /// key's bucket is prefetched first, then every candidate chunk's key and policy data.
     fn resolve(&self, keys: &[&[u8]], hashes: &[u64]) -> Scratch<Option<ChunkId>> {
+        self.resolve_for(keys, hashes, true)
+    }
+
+    /// [`resolve`](Self::resolve), prefetching the candidates' policy data only when `policy`
+    /// (a call that only reads the keys' states leaves those lines alone).
+    fn resolve_for(
+        &self,
+        keys: &[&[u8]],
+        hashes: &[u64],
+        policy: bool,
+    ) -> Scratch<Option<ChunkId>> {
         if keys.len() > 1 {
             for &h in hashes {
                 self.slots.prefetch_bucket(h);
@@ -327,7 +338,9 @@ impl Manager {
             for &h in hashes {
                 if let Some(c) = self.slots.candidate(h) {
                     self.slots.prefetch(c);
-                    self.policy.prefetch(c);
+                    if policy {
+                        self.policy.prefetch(c);
+                    }
                 }
             }
         }
@@ -392,7 +405,7 @@ impl Manager {
         // Batches of 32: the misses of a batch overlap, and a miss early on ends the work.
         for batch in keys.chunks(32) {
             let hashes: Scratch<u64> = batch.iter().map(|k| hash_key(k)).collect();
-            let found = self.resolve(batch, &hashes);
+            let found = self.resolve_for(batch, &hashes, false);
             let n = found
                 .iter()
                 .take_while(|c| {

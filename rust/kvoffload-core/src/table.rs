@@ -213,8 +213,29 @@ impl Slot {
     /// comparison per call, so no word array is built first).
     #[inline]
     fn holds(&self, key: &[u8]) -> Match {
-        if self.len.load(Ordering::Relaxed) as usize != key.len() {
+        let n = key.len();
+        if self.len.load(Ordering::Relaxed) as usize != n {
             return Match::No;
+        }
+        if (8..=INLINE_KEY).contains(&n) {
+            // The common shape (vLLM's keys are 36 bytes): whole words straight from the key,
+            // then a partial last word as the key's last 8 bytes shifted down (see `word_at`).
+            let whole = key.chunks_exact(8);
+            let rest = whole.remainder().len();
+            for (w, bytes) in self.words.iter().zip(whole) {
+                let want = u64::from_le_bytes(bytes.try_into().unwrap_or_default());
+                if w.load(Ordering::Relaxed) != want {
+                    return Match::No;
+                }
+            }
+            if rest > 0 {
+                let tail: [u8; 8] = key[n - 8..].try_into().unwrap_or_default();
+                let want = u64::from_le_bytes(tail) >> (8 * (8 - rest));
+                if self.words[n / 8].load(Ordering::Relaxed) != want {
+                    return Match::No;
+                }
+            }
+            return Match::Yes;
         }
         let inline = &key[..key.len().min(INLINE_KEY)];
         for (i, w) in self.words.iter().enumerate().take(inline.len().div_ceil(8)) {
@@ -644,15 +665,13 @@ impl Slots {
     pub fn find(&self, key: &[u8], hash: u64) -> Option<ChunkId> {
         let t = &*self.table;
         let bucket = &t.buckets[t.bucket(hash)];
-        let inline = bucket
-            .entries
-            .iter()
-            .map(|e| e.load(Ordering::Relaxed))
-            .filter(|&e| entry_tag_matches(e, hash))
-            .filter_map(entry_slot)
-            .find(|&c| self.holds(c, key, hash));
-        if inline.is_some() {
-            return inline;
+        for e in &bucket.entries {
+            let e = e.load(Ordering::Relaxed);
+            if entry_tag_matches(e, hash) {
+                if let Some(c) = entry_slot(e).filter(|&c| self.holds(c, key, hash)) {
+                    return Some(c);
+                }
+            }
         }
         let mut link = bucket.head.load(Ordering::Relaxed);
         while link != 0 {
