@@ -292,8 +292,10 @@ class HostPoolWorker:
         job_id = int(job_id)
         copies = self._plan(device_spec, host_spec, store)
         size = sum(self._tensors[t].page_bytes * len(blocks) for (t, _), (blocks, _) in copies)
-        pool_ids = [next(self._pool_ids) for _ in copies]
         with self._lock:
+            # Drawn under the lock: with the GIL off (free-threaded CPython) an itertools.count
+            # shared by threads can hand two of them the same number.
+            pool_ids = [next(self._pool_ids) for _ in copies]
             if job_id in self._jobs:
                 raise InvalidArgumentError(f"job id {job_id} is already in flight")
             # Every copy is registered before the first is queued, so a job cannot look
