@@ -181,14 +181,6 @@ pub struct RawStats {
 /// What `prepare_store` placed: victims, their keys, and the candidates' chunks.
 type Placed = (Vec<ChunkId>, Vec<KeyBuf>, Vec<ChunkId>);
 
-/// Status of one offered key at the start of `prepare_store`.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Offered {
-    Absent { admitted: bool },
-    Pending(ChunkId),
-    Readable(ChunkId),
-}
-
 /// The scheduler-side manager. See the module docs.
 pub struct Manager {
     id: u64,
@@ -573,39 +565,31 @@ impl Manager {
             Some(_) => keys.iter().map(|k| sketch_hash(k)).collect(),
             None => SmallVec::new(),
         };
-        // One pass sorts the keys: each key's status, the keys the call records (admitted
-        // absent or readable), the candidates (admitted absent), the readable ones and each
-        // key's chunk.
+        // One pass sorts the keys: the keys the call records (admitted absent or readable), the
+        // candidates (admitted absent), the readable ones, each key's chunk (pending or
+        // readable) and the number of absent ones.
         let n = keys.len();
-        let mut status: Scratch<Offered> = SmallVec::with_capacity(n);
         let mut recorded: Scratch<usize> = SmallVec::new();
         let mut candidates: Scratch<usize> = SmallVec::new();
         let mut readable: Scratch<usize> = SmallVec::new();
         let mut resident: Scratch<Option<ChunkId>> = SmallVec::with_capacity(n);
+        let mut absent = 0;
         for (i, (k, &c)) in keys.iter().zip(&found).enumerate() {
-            let s = match c {
-                None => Offered::Absent {
-                    admitted: self.would_admit(k, sketch_hashes.get(i).copied(), req),
-                },
-                Some(c) if self.slots.state(c) == ChunkState::Pending => Offered::Pending(c),
-                Some(c) => Offered::Readable(c),
-            };
-            match s {
-                Offered::Absent { admitted } => {
-                    if admitted {
+            match c {
+                None => {
+                    absent += 1;
+                    if self.would_admit(k, sketch_hashes.get(i).copied(), req) {
                         recorded.push(i);
                         candidates.push(i);
                     }
-                    resident.push(None);
                 }
-                Offered::Readable(c) => {
+                Some(c) if self.slots.state(c) == ChunkState::Pending => {}
+                Some(_) => {
                     recorded.push(i);
                     readable.push(i);
-                    resident.push(Some(c));
                 }
-                Offered::Pending(c) => resident.push(Some(c)),
             }
-            status.push(s);
+            resident.push(c);
         }
         // Distinct keys: checked above.
         let mut call = Call::new(keys, &hashes, positions, req, true);
@@ -636,7 +620,7 @@ impl Manager {
         let placed = if candidates.is_empty() {
             None
         } else {
-            match self.make_room_and_place(&call, &candidates, &status, req) {
+            match self.make_room_and_place(&call, &candidates, &resident, req) {
                 Ok(placed) => placed,
                 Err(e) => {
                     req.truncate(mark);
@@ -645,10 +629,6 @@ impl Manager {
             }
         };
         // The call stands: count the offer and set the request's flags.
-        let absent = status
-            .iter()
-            .filter(|s| matches!(s, Offered::Absent { .. }))
-            .count();
         self.count_offer(keys, &sketch_hashes, req, absent - candidates.len());
         mark_reused(req, &call, &readable);
         set_flag(req, &call, &new_misses, REPORTED);
@@ -935,10 +915,10 @@ impl Manager {
         &mut self,
         call: &Call<'_>,
         candidates: &[usize],
-        status: &[Offered],
+        resident: &[Option<ChunkId>],
         req: &mut RequestState,
     ) -> Result<Option<Placed>> {
-        let Some(victims) = self.make_room(candidates.len(), status)? else {
+        let Some(victims) = self.make_room(candidates.len(), resident)? else {
             return Ok(None);
         };
         let evicted = self.evict_chunks(&victims);
@@ -948,9 +928,14 @@ impl Manager {
         Ok(Some((victims, evicted, chunks)))
     }
 
-    /// Evict enough chunks (never one of the offer's) for `n` candidates; `None` if impossible.
-    /// `Err`: an external policy failed or chose victims it may not.
-    fn make_room(&mut self, n: usize, status: &[Offered]) -> Result<Option<Vec<ChunkId>>> {
+    /// Evict enough chunks (never one of the offer's: `resident`, their chunks) for `n`
+    /// candidates; `None` if impossible. `Err`: an external policy failed or chose victims it
+    /// may not.
+    fn make_room(
+        &mut self,
+        n: usize,
+        resident: &[Option<ChunkId>],
+    ) -> Result<Option<Vec<ChunkId>>> {
         let Some(shortfall) = n.checked_sub(self.pool.num_free()).filter(|&s| s > 0) else {
             return Ok(Some(Vec::new()));
         };
@@ -961,11 +946,9 @@ impl Manager {
         self.protect_stamp += 1;
         let stamp = self.protect_stamp;
         let mut protected_ready = 0;
-        for s in status {
-            if let Offered::Pending(c) | Offered::Readable(c) = *s {
-                self.protect[c as usize] = stamp;
-                protected_ready += usize::from(self.slots.raw(c) == 0);
-            }
+        for &c in resident.iter().flatten() {
+            self.protect[c as usize] = stamp;
+            protected_ready += usize::from(self.slots.raw(c) == 0);
         }
         // Fewer ready, unprotected chunks than needed: no policy could evict enough. (Offered
         // keys are distinct, so each protected chunk is counted once.)

@@ -692,12 +692,13 @@ impl ManagerCore {
         let _ = req_context;
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
+        let addrs = addresses(&keys.objs);
         // With a built-in policy: the lock if free, else a lock-free release that the next
         // locked call applies. A Python policy sees ref counts mirrored at once, so its
         // manager releases under the lock.
         if !self.python_policy {
             if let Some(mut m) = uncontended(&self.inner) {
-                let hints = m.memo.hints(&addresses(&keys.objs));
+                let hints = m.memo.hints(&addrs);
                 return m
                     .complete_load_hinted(&slices, &hints)
                     .map_err(|e| to_py(py, e));
@@ -706,7 +707,6 @@ impl ManagerCore {
                 return Ok(());
             }
         }
-        let addrs = addresses(&keys.objs);
         let (done, raised) = self.policy_call(py, None, &keys.objs, None, |m, _| {
             let hints = m.memo.hints(&addrs);
             m.complete_load_hinted(&slices, &hints)
