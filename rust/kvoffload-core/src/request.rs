@@ -18,7 +18,7 @@ pub(crate) const REPORTED: u8 = 4;
 
 /// Keys the index of a request's first recording call makes room for (a few KiB): a request
 /// records a batch at a time, and growing from a small table would rehash at every batch.
-const FIRST_INDEX: usize = 256;
+pub const FIRST_INDEX: usize = 256;
 
 /// A key the request saw and how it used it.
 #[derive(Debug, Clone)]
@@ -98,12 +98,15 @@ impl RequestState {
             .map(|&i| i as usize)
     }
 
-    /// Make room for `n` more keys. The index starts at [`FIRST_INDEX`] keys and at least
-    /// doubles when it grows, so a request's keys are moved by few rehashes.
+    /// Make room for `n` more keys. The key list and its index start at [`FIRST_INDEX`] keys
+    /// and at least double when they grow, so a request's keys are moved by few reallocations
+    /// and rehashes.
     pub(crate) fn reserve(&mut self, n: usize) {
-        self.seen.reserve(n);
         let len = self.seen.len();
         let extra = n.max(len).max(FIRST_INDEX.saturating_sub(len));
+        if self.seen.capacity() - len < n {
+            self.seen.reserve_exact(extra);
+        }
         if self.table.capacity() - self.table.len() < n {
             let seen = &self.seen;
             self.table.reserve(extra, |&j| seen[j as usize].hash);

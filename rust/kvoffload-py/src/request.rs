@@ -30,6 +30,11 @@ impl RequestState {
     /// seen keys numbered `mark` on are `keys[i]` for `i` in `added`, in order.
     pub(crate) fn keep_objects(&self, mark: usize, added: &[u32], keys: &[Bound<'_, PyBytes>]) {
         if let Ok(mut objs) = self.objs.lock() {
+            // Grown like the core's seen keys (a request's first batch makes room for many).
+            let (len, cap, want) = (objs.len(), objs.capacity(), mark + added.len());
+            if cap < want {
+                objs.reserve_exact(want.max(2 * cap).max(core::request::FIRST_INDEX) - len);
+            }
             objs.resize_with(mark, || None);
             objs.extend(
                 added
