@@ -501,18 +501,19 @@ impl Manager {
             };
             chunks.push(c);
         }
-        for (c, times) in multiplicities(&chunks) {
-            if let ChunkState::Ready(n) = self.slots.state(c) {
-                if times > n {
-                    return Err(CoreError::KeyState(format!(
-                        "cannot complete {times} loads of {}: only {n} in flight",
-                        show_key(&self.slots.key(c))
-                    )));
+        // All or none (a lock-free release on another thread may have taken a pin meanwhile):
+        // a chunk listed more times than it has pins fails it too, and is then named.
+        let zero = self.slots.unpin_all(&chunks).map_err(|i| {
+            for (c, times) in multiplicities(&chunks) {
+                if let ChunkState::Ready(n) = self.slots.state(c) {
+                    if times > n {
+                        return CoreError::KeyState(format!(
+                            "cannot complete {times} loads of {}: only {n} in flight",
+                            show_key(&self.slots.key(c))
+                        ));
+                    }
                 }
             }
-        }
-        // All or none: a lock-free release on another thread may have taken a pin meanwhile.
-        let zero = self.slots.unpin_all(&chunks).map_err(|i| {
             CoreError::KeyState(format!(
                 "cannot complete a load of {}: it is not being loaded",
                 show_key(keys[i])
