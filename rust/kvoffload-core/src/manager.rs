@@ -642,6 +642,11 @@ impl Manager {
             return Ok(None);
         };
         set_flag(req, &call, &candidates, INSERTED);
+        for (&i, &c) in candidates.iter().zip(&chunks) {
+            if let Some(j) = call.slots[i] {
+                req.seen[j as usize].chunk = c;
+            }
+        }
         Ok(Some(StoreOutcome {
             to_store: candidates.to_vec(),
             chunks,
@@ -724,13 +729,21 @@ impl Manager {
         }
         req.finished = true;
         let order = head_to_tail(req, positions);
+        for s in &req.seen {
+            self.slots.prefetch(s.chunk);
+        }
         let finished: Vec<FinishedKey<'_>> = order
             .iter()
             .map(|&i| {
                 let s = &req.seen[i];
+                // The chunk the request last saw the key at, if it still holds the key; else a
+                // lookup with the kept hash (no rehashing).
+                let chunk = Some(s.chunk)
+                    .filter(|&c| self.slots.holds_at(c, &s.key))
+                    .or_else(|| self.find(&s.key, s.hash));
                 FinishedKey {
                     key: &s.key,
-                    chunk: self.find(&s.key, s.hash), // the kept hash: no rehashing
+                    chunk,
                     inserted_only: s.flags & INSERTED != 0 && s.flags & REUSED == 0,
                     reused: s.flags & REUSED != 0,
                 }
@@ -1092,6 +1105,7 @@ impl Manager {
     ) -> bool {
         req.reserve(which.len());
         req.added.clear();
+        req.added.reserve(which.len());
         let mut new: Scratch<Access<'_>> = SmallVec::new();
         for &i in which {
             if call.slots[i].is_none() {
@@ -1103,7 +1117,7 @@ impl Manager {
                         continue;
                     }
                 }
-                call.slots[i] = Some(req.add(k, h) as u32);
+                call.slots[i] = Some(req.add(k, h, resident[i]) as u32);
                 req.added.push(i as u32);
                 new.push(call.access(i, resident[i]));
             }

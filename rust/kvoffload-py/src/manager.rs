@@ -104,10 +104,22 @@ fn addresses(objs: &[Bound<'_, PyBytes>]) -> Vec<usize> {
 impl Core {
     /// Forget the key objects of `chunks`; the caller drops them once the lock is released.
     fn take_keys(&mut self, chunks: &[core::ChunkId]) -> Vec<Option<Py<PyBytes>>> {
-        chunks
-            .iter()
-            .map(|&c| self.keys.get_mut(c as usize).and_then(Option::take))
-            .collect()
+        self.take_keys_leaving_room(chunks, 0)
+    }
+
+    /// [`take_keys`](Self::take_keys) into a list with room for `extra` more objects.
+    fn take_keys_leaving_room(
+        &mut self,
+        chunks: &[core::ChunkId],
+        extra: usize,
+    ) -> Vec<Option<Py<PyBytes>>> {
+        let mut objs = Vec::with_capacity(chunks.len() + extra);
+        objs.extend(
+            chunks
+                .iter()
+                .map(|&c| self.keys.get_mut(c as usize).and_then(Option::take)),
+        );
+        objs
     }
 
     /// Remember `obj` as the key object of chunk `c`. Returns what the slot held before
@@ -772,7 +784,8 @@ impl ManagerCore {
                 let mut dropped = Vec::new();
                 match &outcome {
                     Ok(Some(out)) => {
-                        objs = m.take_keys(&out.evicted_chunks);
+                        // The victims' objects, then those the stored keys' slots held.
+                        objs = m.take_keys_leaving_room(&out.evicted_chunks, out.chunks.len());
                         for (&i, &c) in out.to_store.iter().zip(&out.chunks) {
                             m.memo.put(addrs[i], c);
                             if let Some(obj) = owned[i].take() {
