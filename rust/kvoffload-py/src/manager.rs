@@ -616,11 +616,8 @@ impl ManagerCore {
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = req_context;
         let key = one_key(key)?;
-        if let Some(m) = uncontended(&self.inner) {
-            let found = m.lookup(key);
-            drop(m);
-            return Ok(self.types(py)?.lookup[lookup_index(found)].bind(py).clone());
-        }
+        // The table, lock-free; the lock only when that cannot answer (a long key, or a slot
+        // rewritten under the probe).
         let found = match self.table.probe(key, core::hash_key(key)) {
             core::Probe::Miss => Lookup::Miss,
             core::Probe::Pending => Lookup::HitPending,
