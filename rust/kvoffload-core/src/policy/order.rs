@@ -3,9 +3,17 @@
 //! Most insertions carry a key above every key in the order (a fresh rank, a new sequence
 //! number): those are appended to an intrusive linked list threaded through per-chunk arrays,
 //! in O(1). So is an insertion right next to the previous one (a request's chunks ranked by
-//! token position arrive tail first, each just below the last). Any other insertion (a chunk whose old rank becomes evictable again,
-//! a token-position rank) goes to a B-tree instead, in O(log n). Both halves are sorted, and
-//! iteration merges them, so the order starts at the least key.
+//! token position arrive tail first, each just below the last).
+//!
+//! Keys may belong to a *group* (LRU: the ranks `(request rank, -position)` of one request).
+//! A grouped key that cannot join the list joins its group's *run* instead: a sorted linked
+//! list of the group's members (the same per-chunk links), reached through a hash map from the
+//! group, and extended at either end in O(1). So a request that ranks more chunks a step after
+//! others were ranked (its stores after its prompt was loaded and touched) costs O(1) per chunk,
+//! and O(log r) once per run, r being the number of runs, for the run's place in the order.
+//! Any other insertion (a chunk whose old rank becomes evictable again, a grouped key that
+//! falls inside its run) goes to a B-tree instead, in O(log n). The list, the runs and the
+//! tree are each sorted, and iteration merges them, so the order starts at the least key.
 //!
 //! A member that stops being evictable (pinned by a load) is *held*: it keeps its place, so
 //! being pinned and released at the same key costs O(1) and touches no neighbour. Iteration
@@ -17,21 +25,54 @@
 //! held chunk released after being detached (or at another key) is inserted anew.
 
 use crate::error::{ensure, Result};
+use crate::key::KeyHasher;
 use crate::pool::ChunkId;
+use hashbrown::HashMap;
 use std::collections::BTreeSet;
 use std::iter::Peekable;
 
 const NIL: u32 = u32::MAX;
+
+/// A sort key of an [`EvictionOrder`], and the group it belongs to, if any (see the module
+/// docs). Keys of different groups must not interleave: every key of a group sorts below every
+/// key of a greater group, and keys without a group sort between groups, never inside one.
+pub(crate) trait OrderKey: Ord + Copy + Default {
+    /// The key's group (`None`: none).
+    fn group(&self) -> Option<u64> {
+        None
+    }
+}
+
+impl OrderKey for u64 {}
+
+/// LRU ranks `(request rank, -position)`: the ranks sharing a request rank form a group (a
+/// fresh rank `(k, 0)` is a group of one, and always joins the list at its tail).
+impl OrderKey for (u64, i64) {
+    fn group(&self) -> Option<u64> {
+        Some(self.0)
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Place {
     Out,
     List,
     Tree,
+    /// In its group's run.
+    Run,
     /// Held (not a member) but still linked in the list, at its key.
     ListHeld,
     /// Held (not a member) but still in the tree, at its key.
     TreeHeld,
+    /// Held (not a member) but still in its group's run, at its key.
+    RunHeld,
+}
+
+/// A group's run: its first and last chunk (the links between them are `next` and `prev`).
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    first: u32,
+    last: u32,
 }
 
 /// An ordered set of chunks keyed by `(K, chunk)`; see the module docs.
@@ -39,7 +80,7 @@ enum Place {
 pub(crate) struct EvictionOrder<K> {
     place: Vec<Place>,
     key: Vec<K>,
-    /// When a chunk is in the list: the next (greater) and previous members.
+    /// When a chunk is in the list or a run: the next (greater) and previous entries there.
     next: Vec<u32>,
     prev: Vec<u32>,
     head: u32,
@@ -47,11 +88,15 @@ pub(crate) struct EvictionOrder<K> {
     /// The list member inserted last (`NIL` when it left the list).
     finger: u32,
     tree: BTreeSet<(K, ChunkId)>,
+    /// Each group's run, by group.
+    runs: HashMap<u64, Run, KeyHasher>,
+    /// The groups that have a run, in order (for iteration).
+    run_groups: BTreeSet<u64>,
     /// Members (held entries excluded).
     len: usize,
 }
 
-impl<K: Ord + Copy + Default> EvictionOrder<K> {
+impl<K: OrderKey> EvictionOrder<K> {
     pub(crate) fn new() -> Self {
         Self {
             place: Vec::new(),
@@ -62,6 +107,8 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
             tail: NIL,
             finger: NIL,
             tree: BTreeSet::new(),
+            runs: HashMap::with_hasher(KeyHasher),
+            run_groups: BTreeSet::new(),
             len: 0,
         }
     }
@@ -85,7 +132,7 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
     pub(crate) fn contains(&self, c: ChunkId) -> bool {
         self.place
             .get(c as usize)
-            .is_some_and(|&p| matches!(p, Place::List | Place::Tree))
+            .is_some_and(|&p| matches!(p, Place::List | Place::Tree | Place::Run))
     }
 
     /// The sort key of member `c`.
@@ -122,7 +169,7 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
     pub(crate) fn held_key_of(&self, c: ChunkId) -> Option<K> {
         self.place
             .get(c as usize)
-            .is_some_and(|&p| matches!(p, Place::ListHeld | Place::TreeHeld))
+            .is_some_and(|&p| matches!(p, Place::ListHeld | Place::TreeHeld | Place::RunHeld))
             .then(|| self.key[c as usize])
     }
 
@@ -148,9 +195,70 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
         };
         if let Some(p) = after {
             self.link_after(c, p);
-        } else {
+        } else if !self.join_run(c, k) {
             self.place[i] = Place::Tree;
             self.tree.insert(me);
+        }
+    }
+
+    /// Put `c` (key `k`) at an end of its group's run, or start the run; `false` when `k` has
+    /// no group or falls inside its run.
+    fn join_run(&mut self, c: ChunkId, k: K) -> bool {
+        let Some(g) = k.group() else { return false };
+        let i = c as usize;
+        let me = (k, c);
+        let entry = |m: u32| (self.key[m as usize], m);
+        match self.runs.get(&g).copied() {
+            None => {
+                self.runs.insert(g, Run { first: c, last: c });
+                self.run_groups.insert(g);
+                self.prev[i] = NIL;
+                self.next[i] = NIL;
+            }
+            Some(run) if me < entry(run.first) => {
+                self.prev[i] = NIL;
+                self.next[i] = run.first;
+                self.prev[run.first as usize] = c;
+                self.runs.insert(g, Run { first: c, ..run });
+            }
+            Some(run) if me > entry(run.last) => {
+                self.prev[i] = run.last;
+                self.next[i] = NIL;
+                self.next[run.last as usize] = c;
+                self.runs.insert(g, Run { last: c, ..run });
+            }
+            Some(_) => return false,
+        }
+        self.place[i] = Place::Run;
+        true
+    }
+
+    /// Take `chunk` (in the run of `group`) out of the run; the run goes when it empties.
+    fn leave_run(&mut self, chunk: ChunkId, group: u64) {
+        let at = chunk as usize;
+        let (before, after) = (self.prev[at], self.next[at]);
+        if before != NIL {
+            self.next[before as usize] = after;
+        }
+        if after != NIL {
+            self.prev[after as usize] = before;
+        }
+        match (before, after) {
+            (NIL, NIL) => {
+                self.runs.remove(&group);
+                self.run_groups.remove(&group);
+            }
+            (NIL, _) => {
+                if let Some(run) = self.runs.get_mut(&group) {
+                    run.first = after;
+                }
+            }
+            (_, NIL) => {
+                if let Some(run) = self.runs.get_mut(&group) {
+                    run.last = before;
+                }
+            }
+            _ => {}
         }
     }
 
@@ -187,6 +295,11 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
             Place::Tree | Place::TreeHeld => {
                 self.tree.remove(&(self.key[i], c));
             }
+            Place::Run | Place::RunHeld => {
+                if let Some(g) = self.key[i].group() {
+                    self.leave_run(c, g);
+                }
+            }
             Place::List | Place::ListHeld => {
                 if self.finger == c {
                     self.finger = NIL;
@@ -205,7 +318,7 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
             }
         }
         self.place[i] = Place::Out;
-        if matches!(place, Place::List | Place::Tree) {
+        if matches!(place, Place::List | Place::Tree | Place::Run) {
             self.len -= 1;
         }
     }
@@ -216,6 +329,7 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
         *p = match *p {
             Place::List => Place::ListHeld,
             Place::Tree => Place::TreeHeld,
+            Place::Run => Place::RunHeld,
             other => {
                 debug_assert!(false, "hold of a non-member");
                 other
@@ -238,6 +352,7 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
         match self.place[i] {
             Place::ListHeld if self.key[i] == k => self.place[i] = Place::List,
             Place::TreeHeld if self.key[i] == k => self.place[i] = Place::Tree,
+            Place::RunHeld if self.key[i] == k => self.place[i] = Place::Run,
             _ => {
                 self.remove(c);
                 self.insert(c, k);
@@ -254,6 +369,9 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
             order: self,
             list: self.head,
             tree: self.tree.iter().peekable(),
+            groups: self.run_groups.iter(),
+            run: NIL,
+            more_runs: !self.run_groups.is_empty(),
             held,
         }
     }
@@ -268,37 +386,53 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
         self.tail = NIL;
         self.finger = NIL;
         self.tree.clear();
+        self.runs.clear();
+        self.run_groups.clear();
         self.len = 0;
     }
 
-    /// Check the list is sorted and linked both ways, and the counts add up.
-    pub(crate) fn validate(&self) -> Result<()> {
-        let (mut n, mut linked) = (0, 0);
-        let mut prev = NIL;
-        let mut c = self.head;
+    /// Walk the links from `first` (the list's head, or a run's first entry): every entry in
+    /// one of `places` (member, held), of `group` when one is given, linked both ways and
+    /// ascending. Returns the last entry, the members and the entries walked.
+    fn check_chain(
+        &self,
+        first: u32,
+        places: [Place; 2],
+        group: Option<u64>,
+    ) -> Result<(u32, usize, usize)> {
+        let (mut members, mut walked) = (0, 0);
+        let (mut prev, mut c) = (NIL, first);
         while c != NIL {
             let i = c as usize;
             ensure!(
-                matches!(self.place[i], Place::List | Place::ListHeld),
-                "order: chunk {c} linked but not in the list"
+                places.contains(&self.place[i])
+                    && group.is_none_or(|g| self.key[i].group() == Some(g)),
+                "order: chunk {c} linked in a chain ({group:?}) it does not belong to"
             );
             ensure!(self.prev[i] == prev, "order: chunk {c} back link broken");
             if prev != NIL {
                 ensure!(
                     (self.key[prev as usize], prev) < (self.key[i], c),
-                    "order: list not ascending at chunk {c}"
+                    "order: chain ({group:?}) not ascending at chunk {c}"
                 );
             }
-            n += usize::from(self.place[i] == Place::List);
-            linked += 1;
+            members += usize::from(self.place[i] == places[0]);
+            walked += 1;
             ensure!(
-                linked <= self.place.len(),
-                "order: list longer than the chunk count (cycle?)"
+                walked <= self.place.len(),
+                "order: chain longer than the chunk count (cycle?)"
             );
             prev = c;
             c = self.next[i];
         }
-        ensure!(prev == self.tail, "order: tail is not the last list member");
+        Ok((prev, members, walked))
+    }
+
+    /// Check the list and the runs are sorted and linked both ways, and the counts add up.
+    pub(crate) fn validate(&self) -> Result<()> {
+        let (tail, mut n, linked) =
+            self.check_chain(self.head, [Place::List, Place::ListHeld], None)?;
+        ensure!(tail == self.tail, "order: tail is not the last list member");
         for &(k, c) in &self.tree {
             let i = c as usize;
             ensure!(
@@ -307,14 +441,32 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
             );
             n += usize::from(self.place[i] == Place::Tree);
         }
+        ensure!(
+            self.runs.len() == self.run_groups.len(),
+            "order: runs and run groups differ"
+        );
+        let mut in_runs = 0;
+        for &g in &self.run_groups {
+            let first = self.runs.get(&g).map_or(NIL, |r| r.first);
+            ensure!(first != NIL, "order: group {g} listed without a run");
+            let (last, members, walked) =
+                self.check_chain(first, [Place::Run, Place::RunHeld], Some(g))?;
+            ensure!(
+                self.runs.get(&g).is_some_and(|r| r.last == last),
+                "order: group {g}'s run ends elsewhere"
+            );
+            n += members;
+            in_runs += walked;
+        }
         ensure!(n == self.len, "order: member count drifted");
         let in_place = |p: Place| self.place.iter().filter(|&&q| q == p).count();
         ensure!(
             in_place(Place::ListHeld) + in_place(Place::List) == linked
-                && in_place(Place::TreeHeld) + in_place(Place::Tree) == self.tree.len(),
+                && in_place(Place::TreeHeld) + in_place(Place::Tree) == self.tree.len()
+                && in_place(Place::RunHeld) + in_place(Place::Run) == in_runs,
             "order: a chunk is marked linked but is not, or the reverse"
         );
-        let members = in_place(Place::List) + in_place(Place::Tree);
+        let members = in_place(Place::List) + in_place(Place::Tree) + in_place(Place::Run);
         ensure!(
             members == self.len,
             "order: {members} chunks marked, count says {}",
@@ -324,43 +476,73 @@ impl<K: Ord + Copy + Default> EvictionOrder<K> {
     }
 }
 
-/// Merge of the list and the tree, ascending, skipping (and reporting) held entries.
+/// Merge of the list, the runs and the tree, ascending, skipping (and reporting) held entries.
 pub(crate) struct Iter<'a, K> {
     order: &'a EvictionOrder<K>,
     list: u32,
     tree: Peekable<std::collections::btree_set::Iter<'a, (K, ChunkId)>>,
+    /// The groups whose runs are still to come, and the next entry of the current run.
+    groups: std::collections::btree_set::Iter<'a, u64>,
+    run: u32,
+    /// Whether `groups` may have more.
+    more_runs: bool,
     held: &'a mut Vec<ChunkId>,
 }
 
-impl<K: Ord + Copy> Iter<'_, K> {
+impl<K: OrderKey> Iter<'_, K> {
     /// The next entry of the merge, held or not.
     fn next_entry(&mut self) -> Option<(K, ChunkId)> {
-        let from_list = (self.list != NIL).then(|| (self.order.key[self.list as usize], self.list));
-        match (from_list, self.tree.peek()) {
-            (Some(l), Some(&&t)) if t < l => {
-                self.tree.next();
-                Some(t)
+        let o = self.order;
+        if self.run == NIL && self.more_runs {
+            match self.groups.next() {
+                Some(g) => self.run = o.runs.get(g).map_or(NIL, |r| r.first),
+                None => self.more_runs = false,
             }
-            (Some(l), _) => {
-                self.list = self.order.next[l.1 as usize];
-                Some(l)
-            }
-            (None, Some(&&t)) => {
-                self.tree.next();
-                Some(t)
-            }
-            (None, None) => None,
         }
+        let from_list = (self.list != NIL).then(|| (o.key[self.list as usize], self.list));
+        let from_tree = self.tree.peek().map(|&&t| t);
+        // The lesser of the list's and the tree's heads, then of that and the run's.
+        let (mut best, mut from) = match (from_list, from_tree) {
+            (Some(l), Some(t)) if t < l => (Some(t), Source::Tree),
+            (Some(l), _) => (Some(l), Source::List),
+            (None, t) => (t, Source::Tree),
+        };
+        if self.run != NIL {
+            let r = (o.key[self.run as usize], self.run);
+            if best.is_none_or(|b| r < b) {
+                (best, from) = (Some(r), Source::Run);
+            }
+        }
+        let (k, c) = best?;
+        match from {
+            Source::List => self.list = o.next[c as usize],
+            Source::Run => self.run = o.next[c as usize],
+            Source::Tree => {
+                self.tree.next();
+            }
+        }
+        Some((k, c))
     }
 }
 
-impl<K: Ord + Copy> Iterator for Iter<'_, K> {
+/// Where the merge's next entry comes from.
+#[derive(Clone, Copy)]
+enum Source {
+    List,
+    Run,
+    Tree,
+}
+
+impl<K: OrderKey> Iterator for Iter<'_, K> {
     type Item = (K, ChunkId);
 
     fn next(&mut self) -> Option<(K, ChunkId)> {
         loop {
             let (k, c) = self.next_entry()?;
-            if matches!(self.order.place[c as usize], Place::List | Place::Tree) {
+            if matches!(
+                self.order.place[c as usize],
+                Place::List | Place::Tree | Place::Run
+            ) {
                 return Some((k, c));
             }
             self.held.push(c);
@@ -408,19 +590,82 @@ mod tests {
         o.insert(3, (2, -48));
         assert!(o.tree.is_empty(), "each went next to the previous insert");
         o.insert(4, (3, 0));
-        o.insert(5, (2, -40)); // between 2 and 3: not next to the finger (4)
+        o.insert(5, (2, -40)); // between 2 and 3, not next to the finger (4): group 2's run
         o.validate().unwrap();
         assert_eq!(
             o.iter(&mut Vec::new()).map(|(_, c)| c).collect::<Vec<_>>(),
             vec![0, 3, 5, 2, 1, 4]
         );
         o.remove(4);
-        o.insert(6, (2, -20)); // finger gone: below the tail, so the tree
+        o.insert(6, (2, -20)); // finger gone, below the tail: the run's new last entry
         o.validate().unwrap();
         assert_eq!(
             o.iter(&mut Vec::new()).map(|(_, c)| c).collect::<Vec<_>>(),
             vec![0, 3, 5, 2, 6, 1]
         );
+    }
+
+    #[test]
+    fn a_group_ranked_later_forms_a_run_merged_in_order() {
+        let mut o: EvictionOrder<(u64, i64)> = EvictionOrder::new();
+        o.grow(12);
+        // Request 1 ranks a chunk; fresh ranks 2 and 3 follow; then request 1 ranks more.
+        o.insert(0, (1, 0));
+        o.insert(1, (2, 0));
+        o.insert(2, (3, 0));
+        o.insert(3, (1, -16)); // below the tail, not next to the finger: starts group 1's run
+        o.insert(4, (1, -32)); // below the run's first
+        o.insert(5, (1, -8)); // above the run's last
+        o.insert(6, (1, -20)); // inside the run: the tree
+        assert_eq!((o.runs.len(), o.run_groups.len(), o.tree.len()), (1, 1, 1));
+        o.validate().unwrap();
+        let all = |o: &EvictionOrder<(u64, i64)>| {
+            o.iter(&mut Vec::new()).map(|(_, c)| c).collect::<Vec<_>>()
+        };
+        assert_eq!(all(&o), vec![4, 6, 3, 5, 0, 1, 2]);
+        // A second group's run sorts after the first's.
+        o.insert(7, (2, -4));
+        o.insert(8, (2, -12));
+        assert_eq!(o.runs.len(), 2);
+        assert_eq!(all(&o), vec![4, 6, 3, 5, 0, 8, 7, 1, 2]);
+        // Held run entries keep their place; a scan reports them; leaving ends the run's ends.
+        o.hold(4);
+        o.hold(3);
+        assert!(!o.contains(4) && o.held_key_of(4) == Some((1, -32)));
+        o.release(3, (1, -16)); // same key: back in place
+        let mut held = Vec::new();
+        let seen: Vec<ChunkId> = o.iter(&mut held).map(|(_, c)| c).collect();
+        assert_eq!((seen, held), (vec![6, 3, 5, 0, 8, 7, 1, 2], vec![4]));
+        o.validate().unwrap();
+        o.remove(4); // the run's first
+        o.remove(5); // its last
+        o.validate().unwrap();
+        assert_eq!(o.runs[&1].first, 3);
+        assert_eq!(o.runs[&1].last, 3);
+        o.remove(3); // its only entry: the run goes
+        o.remove(7);
+        o.remove(8);
+        assert!(o.runs.is_empty() && o.run_groups.is_empty());
+        assert_eq!(all(&o), vec![6, 0, 1, 2]);
+        assert_eq!(o.len(), 4);
+        o.validate().unwrap();
+        o.insert(9, (3, -1));
+        o.clear();
+        assert!(o.runs.is_empty() && o.run_groups.is_empty());
+        o.validate().unwrap();
+    }
+
+    #[test]
+    fn validate_catches_a_broken_run() {
+        let mut o: EvictionOrder<(u64, i64)> = EvictionOrder::new();
+        o.grow(4);
+        o.insert(0, (1, 0));
+        o.insert(1, (2, 0));
+        o.insert(2, (1, -8));
+        o.insert(3, (1, -16));
+        o.validate().unwrap();
+        o.runs.get_mut(&1).unwrap().last = 3;
+        assert!(o.validate().is_err());
     }
 
     #[test]
