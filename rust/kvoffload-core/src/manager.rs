@@ -641,10 +641,12 @@ impl Manager {
         let Some((victims, evicted, chunks)) = placed else {
             return Ok(None);
         };
-        set_flag(req, &call, &candidates, INSERTED);
+        // The candidates were inserted, at these chunks.
         for (&i, &c) in candidates.iter().zip(&chunks) {
             if let Some(j) = call.slots[i] {
-                req.seen[j as usize].chunk = c;
+                let s = &mut req.seen[j as usize];
+                s.flags |= INSERTED;
+                s.chunk = c;
             }
         }
         Ok(Some(StoreOutcome {

@@ -19,7 +19,16 @@ pub(crate) const REPORTED: u8 = 4;
 
 /// Keys the index of a request's first recording call makes room for (a few KiB): a request
 /// records a batch at a time, and growing from a small table would rehash at every batch.
-pub const FIRST_INDEX: usize = 256;
+const FIRST_INDEX: usize = 256;
+
+/// How many more entries a per-request list of `len` entries should make room for when `n`
+/// more do not fit: at least `n`, at least as many as it has (it doubles), and at least
+/// [`FIRST_INDEX`] in all. The core's seen keys and their index, and the binding's key objects
+/// lined up with them, all grow by this rule.
+#[must_use]
+pub fn room_for(len: usize, n: usize) -> usize {
+    n.max(len).max(FIRST_INDEX.saturating_sub(len))
+}
 
 /// A key the request saw and how it used it.
 #[derive(Debug, Clone)]
@@ -110,7 +119,7 @@ impl RequestState {
     /// and rehashes.
     pub(crate) fn reserve(&mut self, n: usize) {
         let len = self.seen.len();
-        let extra = n.max(len).max(FIRST_INDEX.saturating_sub(len));
+        let extra = room_for(len, n);
         if self.seen.capacity() - len < n {
             self.seen.reserve_exact(extra);
         }

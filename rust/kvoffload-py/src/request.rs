@@ -31,9 +31,10 @@ impl RequestState {
     pub(crate) fn keep_objects(&self, mark: usize, added: &[u32], keys: &[Bound<'_, PyBytes>]) {
         if let Ok(mut objs) = self.objs.lock() {
             // Grown like the core's seen keys (a request's first batch makes room for many).
-            let (len, cap, want) = (objs.len(), objs.capacity(), mark + added.len());
-            if cap < want {
-                objs.reserve_exact(want.max(2 * cap).max(core::request::FIRST_INDEX) - len);
+            let need = (mark + added.len()).saturating_sub(objs.len());
+            if objs.capacity() - objs.len() < need {
+                let extra = core::request::room_for(objs.len(), need);
+                objs.reserve_exact(extra);
             }
             objs.resize_with(mark, || None);
             objs.extend(

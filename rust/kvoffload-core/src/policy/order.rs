@@ -207,25 +207,26 @@ impl<K: OrderKey> EvictionOrder<K> {
         let Some(g) = k.group() else { return false };
         let i = c as usize;
         let me = (k, c);
-        let entry = |m: u32| (self.key[m as usize], m);
-        match self.runs.get(&g).copied() {
+        let (key, next, prev) = (&self.key, &mut self.next, &mut self.prev);
+        let entry = |m: u32| (key[m as usize], m);
+        match self.runs.get_mut(&g) {
             None => {
                 self.runs.insert(g, Run { first: c, last: c });
                 self.run_groups.insert(g);
-                self.prev[i] = NIL;
-                self.next[i] = NIL;
+                prev[i] = NIL;
+                next[i] = NIL;
             }
             Some(run) if me < entry(run.first) => {
-                self.prev[i] = NIL;
-                self.next[i] = run.first;
-                self.prev[run.first as usize] = c;
-                self.runs.insert(g, Run { first: c, ..run });
+                prev[i] = NIL;
+                next[i] = run.first;
+                prev[run.first as usize] = c;
+                run.first = c;
             }
             Some(run) if me > entry(run.last) => {
-                self.prev[i] = run.last;
-                self.next[i] = NIL;
-                self.next[run.last as usize] = c;
-                self.runs.insert(g, Run { last: c, ..run });
+                prev[i] = run.last;
+                next[i] = NIL;
+                next[run.last as usize] = c;
+                run.last = c;
             }
             Some(_) => return false,
         }
