@@ -29,7 +29,7 @@ const SLACK: usize = 64;
 struct Entry {
     start: f64,
     chunk: ChunkId,
-    ticket: u64,
+    ticket: u32,
 }
 
 /// Seconds since the first call in this process, on `std::time::Instant` (monotonic).
@@ -46,9 +46,10 @@ pub struct PendingWrites {
     source: Option<fn() -> f64>,
     queue: VecDeque<Entry>,
     /// The ticket of each chunk's latest write (0: none since the last clear).
-    tickets: Vec<u64>,
-    /// Tickets are never reused, not even across `clear`.
-    last_ticket: u64,
+    tickets: Vec<u32>,
+    /// The last ticket issued. Before the count would wrap, the live entries are numbered
+    /// afresh from 1 (see `renumber`): 4 bytes a chunk, not 8.
+    last_ticket: u32,
     /// The latest clock reading, in seconds.
     now: f64,
     /// Writes expired since the last `take_expired`.
@@ -93,6 +94,9 @@ impl PendingWrites {
                 self.compact(refs);
             }
         }
+        if u32::try_from(chunks.len()).map_or(true, |n| u32::MAX - self.last_ticket < n) {
+            self.renumber(refs);
+        }
         self.queue.reserve(chunks.len());
         for &c in chunks {
             let i = c as usize;
@@ -113,6 +117,20 @@ impl PendingWrites {
     fn is_live(&self, e: &Entry, refs: &Slots) -> bool {
         self.tickets.get(e.chunk as usize) == Some(&e.ticket)
             && refs.state(e.chunk) == ChunkState::Pending
+    }
+
+    /// Number the live writes 1, 2, ... in queue order, dropping the dead ones: each live
+    /// entry is its chunk's latest write, so the chunk's ticket follows it and no dead entry
+    /// is left to match a new ticket.
+    fn renumber(&mut self, refs: &Slots) {
+        self.compact(refs);
+        self.tickets.fill(0);
+        let (queue, tickets) = (&mut self.queue, &mut self.tickets);
+        for (e, ticket) in queue.iter_mut().zip(1..) {
+            e.ticket = ticket;
+            tickets[e.chunk as usize] = ticket;
+        }
+        self.last_ticket = self.queue.len() as u32;
     }
 
     /// Drop every dead entry.
@@ -320,6 +338,31 @@ mod tests {
         assert_eq!(w.oldest(&refs), Some((10.0, 0)));
         let t = monotonic_seconds();
         assert!(t >= 0.0 && monotonic_seconds() >= t);
+    }
+
+    /// Tickets are 32-bit: near the wrap the live writes are numbered afresh, and the dead
+    /// entries go, so an old entry never passes for a chunk's latest write.
+    #[test]
+    fn tickets_are_renumbered_before_they_wrap() {
+        let mut refs = table(4);
+        let mut w = PendingWrites::new();
+        w.last_ticket = u32::MAX - 2;
+        w.set_now(1.0);
+        start(&mut w, &mut refs, 0); // live throughout
+        start(&mut w, &mut refs, 1); // ticket u32::MAX
+        refs.remove(1); // its entry is dead
+        w.set_now(2.0);
+        // One more would wrap: renumbered first (0 -> 1, dead 1 dropped), then 2 gets 2.
+        start(&mut w, &mut refs, 2);
+        assert_eq!(w.last_ticket, 2);
+        assert_eq!(&w.tickets[..3], &[1, 0, 2]);
+        assert_eq!(w.queued(), 2);
+        w.validate(&refs).unwrap();
+        start(&mut w, &mut refs, 1);
+        assert_eq!(w.oldest(&refs), Some((1.0, 0)));
+        refs.complete_store(0);
+        assert_eq!(w.oldest(&refs), Some((2.0, 2)));
+        w.validate(&refs).unwrap();
     }
 
     #[test]

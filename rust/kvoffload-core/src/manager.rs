@@ -196,8 +196,8 @@ pub struct Manager {
     allocation_sizes: Vec<u64>,
     stores_skipped: u64,
     /// `protect[c] == protect_stamp` marks chunk `c` protected in the current eviction.
-    protect: Vec<u64>,
-    protect_stamp: u64,
+    protect: Vec<u32>,
+    protect_stamp: u32,
     /// The policy is external (plug-in code that may fail): calls check it and undo their
     /// changes when it does, and ref-count changes are mirrored to it.
     external: bool,
@@ -959,6 +959,11 @@ impl Manager {
         if shortfall > self.slots.num_evictable() {
             return Ok(None);
         }
+        if self.protect_stamp == u32::MAX {
+            // Once in four billion evicting calls: no old stamp may match a new one.
+            self.protect.fill(0);
+            self.protect_stamp = 0;
+        }
         self.protect_stamp += 1;
         let stamp = self.protect_stamp;
         let mut protected_ready = 0;
@@ -1385,5 +1390,44 @@ impl Manager {
     /// Writes expired since the last call; the count restarts.
     pub fn take_expired_writes(&mut self) -> u64 {
         self.liveness.take_expired()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The protection stamp wraps after `u32::MAX` evicting calls: the array is cleared, so a
+    /// chunk stamped long ago is not taken for one protected now, and the offer's own resident
+    /// keys stay protected across the wrap.
+    #[test]
+    fn protection_stamp_wraps_cleanly() {
+        let config = ManagerConfig {
+            num_chunks: 2,
+            policy: PolicyKind::Lru,
+            enable_events: false,
+            store_threshold: 1,
+            max_tracker_size: 8,
+            admission: Admission::default(),
+        };
+        let mut m = Manager::new(&config).unwrap();
+        let mut req = m.new_request_state();
+        let store = |m: &mut Manager, req: &mut RequestState, keys: &[&[u8]]| {
+            let out = m.prepare_store(keys, None, req).unwrap().unwrap();
+            let stored: Vec<&[u8]> = out.to_store.iter().map(|&i| keys[i]).collect();
+            m.complete_store(&stored, true);
+            out.evicted
+        };
+        store(&mut m, &mut req, &[b"a", b"b"]);
+        // A stale stamp equal to the next one after the wrap, on the chunk that would be
+        // evicted first: it must not protect that chunk.
+        m.protect_stamp = u32::MAX;
+        m.protect[0] = 1;
+        let evicted = store(&mut m, &mut req, &[b"b", b"c"]);
+        assert_eq!(evicted, vec![KeyBuf::from_slice(b"a")]);
+        assert_eq!(m.protect_stamp, 1);
+        // Across the wrap, the resident key of the offer ("b") stayed protected.
+        assert!(m.lookup(b"b") == Lookup::Hit && m.lookup(b"c") == Lookup::Hit);
+        m.validate().unwrap();
     }
 }

@@ -38,8 +38,9 @@ enum List {
 pub struct ArcPolicy {
     capacity: usize,
     target: f64,
-    /// Which list each chunk is in, and its sequence number there.
-    list: Vec<(List, u64)>,
+    /// Which list each chunk is in. Its sequence number there is kept by that list's order
+    /// (`last_key`), the one copy.
+    list: Vec<List>,
     evictable: Vec<bool>,
     t1_len: usize,
     t2_len: usize,
@@ -179,6 +180,14 @@ impl ArcPolicy {
         self.target
     }
 
+    fn order_of(&self, l: List) -> &EvictionOrder<u64> {
+        if l == List::T1 {
+            &self.t1_evictable
+        } else {
+            &self.t2_evictable
+        }
+    }
+
     fn evictable_map(&mut self, l: List) -> &mut EvictionOrder<u64> {
         if l == List::T1 {
             &mut self.t1_evictable
@@ -189,7 +198,7 @@ impl ArcPolicy {
 
     fn unlink(&mut self, chunk: ChunkId) -> List {
         let i = chunk as usize;
-        let (l, _) = self.list[i];
+        let l = self.list[i];
         if l != List::None {
             // A member, or a pinned chunk held in place.
             self.evictable_map(l).remove(chunk);
@@ -199,13 +208,13 @@ impl ArcPolicy {
             List::T2 => self.t2_len -= 1,
             List::None => {}
         }
-        self.list[i] = (List::None, 0);
+        self.list[i] = List::None;
         l
     }
 
     /// Start loading `chunk`'s entry in the order of its list; changes nothing.
     fn prefetch_order_entry(&self, chunk: ChunkId) {
-        match self.list.get(chunk as usize).map(|x| x.0) {
+        match self.list.get(chunk as usize) {
             Some(List::T1) => self.t1_evictable.prefetch(chunk),
             Some(List::T2) => self.t2_evictable.prefetch(chunk),
             _ => {}
@@ -214,7 +223,7 @@ impl ArcPolicy {
 
     /// Start loading the neighbours of `chunk` in the order of its list; changes nothing.
     fn prefetch_neighbours(&self, chunk: ChunkId) {
-        match self.list.get(chunk as usize).map(|x| x.0) {
+        match self.list.get(chunk as usize) {
             Some(List::T1) => self.t1_evictable.prefetch_neighbours(chunk),
             Some(List::T2) => self.t2_evictable.prefetch_neighbours(chunk),
             _ => {}
@@ -227,7 +236,7 @@ impl ArcPolicy {
         self.next_seq += 1;
         let seq = self.next_seq;
         let i = chunk as usize;
-        self.list[i] = (l, seq);
+        self.list[i] = l;
         match l {
             List::T1 => self.t1_len += 1,
             List::T2 => self.t2_len += 1,
@@ -262,8 +271,8 @@ impl ArcPolicy {
 
     fn ordered(&self, l: List) -> Vec<ChunkId> {
         let mut v: Vec<(u64, ChunkId)> = (0..self.list.len())
-            .filter(|&i| self.list[i].0 == l)
-            .map(|i| (self.list[i].1, i as ChunkId))
+            .filter(|&i| self.list[i] == l)
+            .map(|i| (self.order_of(l).last_key(i as ChunkId), i as ChunkId))
             .collect();
         v.sort_unstable();
         v.into_iter().map(|(_, c)| c).collect()
@@ -281,7 +290,7 @@ fn next_victim(
 impl CachePolicy for ArcPolicy {
     fn grow(&mut self, n: usize) {
         if n > self.list.len() {
-            self.list.resize(n, (List::None, 0));
+            self.list.resize(n, List::None);
             self.evictable.resize(n, false);
             self.t1_evictable.grow(n);
             self.t2_evictable.grow(n);
@@ -323,7 +332,7 @@ impl CachePolicy for ArcPolicy {
             }
         }
         for a in keys.iter().rev() {
-            match a.chunk.map(|c| (c, self.list[c as usize].0)) {
+            match a.chunk.map(|c| (c, self.list[c as usize])) {
                 Some((c, List::T1)) => {
                     let to = if refs.raw(c) >= 0 { List::T2 } else { List::T1 };
                     self.push_newest(c, to);
@@ -365,7 +374,7 @@ impl CachePolicy for ArcPolicy {
     fn on_request_finished(&mut self, keys: &[FinishedKey<'_>]) {
         for k in keys.iter().rev() {
             let Some(c) = k.chunk else { continue };
-            let l = self.list[c as usize].0;
+            let l = self.list[c as usize];
             if k.inserted_only {
                 self.push_newest(c, l);
             } else if k.reused {
@@ -464,8 +473,9 @@ impl CachePolicy for ArcPolicy {
         let i = chunk as usize;
         debug_assert!(!self.evictable[i]);
         self.evictable[i] = true;
-        let (l, seq) = self.list[i];
+        let l = self.list[i];
         if l != List::None {
+            let seq = self.order_of(l).last_key(chunk);
             self.evictable_map(l).release(chunk, seq);
         }
     }
@@ -474,7 +484,7 @@ impl CachePolicy for ArcPolicy {
         let i = chunk as usize;
         debug_assert!(self.evictable[i]);
         self.evictable[i] = false;
-        let (l, _) = self.list[i];
+        let l = self.list[i];
         if l != List::None {
             self.evictable_map(l).hold(chunk);
         }
@@ -497,7 +507,8 @@ impl CachePolicy for ArcPolicy {
         );
         let (mut t1, mut t2, mut e1, mut e2) = (0, 0, 0, 0);
         for (i, &res) in resident.iter().enumerate() {
-            let (l, seq) = self.list[i];
+            let l = self.list[i];
+            let seq = self.order_of(l).last_key(i as ChunkId);
             ensure!(
                 res == (l != List::None),
                 "arc: chunk {i} residency differs from the index"

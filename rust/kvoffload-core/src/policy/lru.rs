@@ -23,10 +23,9 @@ type Rank = (u64, i64);
 /// Request-ranked LRU over `capacity` chunk slots.
 #[derive(Debug, Clone)]
 pub struct LruPolicy {
-    /// Rank of each resident chunk, by chunk id.
-    ranks: Vec<Rank>,
     resident: Vec<bool>,
-    /// The evictable chunks by rank (pinned and pending ones held in place).
+    /// The evictable chunks by rank (pinned and pending ones held in place). It also keeps
+    /// every resident chunk's rank (`last_key`), member or not: one copy, one cache line.
     order: EvictionOrder<Rank>,
     /// Held entries an eviction scan walked past, detached when it ends.
     held: Vec<ChunkId>,
@@ -40,7 +39,6 @@ impl LruPolicy {
     pub fn new(capacity: u32) -> Self {
         let _ = capacity;
         Self {
-            ranks: Vec::new(),
             resident: Vec::new(),
             order: EvictionOrder::new(),
             held: Vec::new(),
@@ -69,9 +67,10 @@ impl LruPolicy {
             // release is O(1).
             self.order.remove(chunk);
             self.order.insert_held(chunk, rank);
+        } else {
+            // Detached by a scan (pinned or pending): `mark_evictable` inserts it.
+            self.order.set_key(chunk, rank);
         }
-        // Otherwise detached by a scan (pinned or pending): `mark_evictable` inserts it.
-        self.ranks[chunk as usize] = rank;
     }
 
     fn refresh(&mut self, chunk: ChunkId) {
@@ -82,8 +81,7 @@ impl LruPolicy {
 
 impl CachePolicy for LruPolicy {
     fn grow(&mut self, n: usize) {
-        if n > self.ranks.len() {
-            self.ranks.resize(n, (0, 0));
+        if n > self.resident.len() {
             self.resident.resize(n, false);
             self.order.grow(n);
         }
@@ -94,9 +92,7 @@ impl CachePolicy for LruPolicy {
             Some(p) => (self.request_rank(rank), -p),
             None => self.fresh_rank(),
         };
-        let i = chunk as usize;
-        self.ranks[i] = r;
-        self.resident[i] = true;
+        self.resident[chunk as usize] = true;
         // Pending: held at its rank (a batch's chunks side by side), released there in O(1).
         self.order.insert_held(chunk, r);
     }
@@ -122,9 +118,6 @@ impl CachePolicy for LruPolicy {
     fn on_store_miss(&mut self, _keys: &[Access<'_>]) {}
 
     fn prefetch(&self, chunk: ChunkId) {
-        if let Some(r) = self.ranks.get(chunk as usize) {
-            crate::mem::prefetch(r);
-        }
         self.order.prefetch(chunk);
     }
 
@@ -135,7 +128,7 @@ impl CachePolicy for LruPolicy {
                 continue;
             };
             let r = (request_rank, -p);
-            if self.ranks[c as usize] < r {
+            if self.order.last_key(c) < r {
                 self.set_rank(c, r);
             }
         }
@@ -202,7 +195,6 @@ impl CachePolicy for LruPolicy {
     }
 
     fn clear(&mut self) {
-        self.ranks.clear();
         self.resident.clear();
         self.order.clear();
         self.held.clear();
@@ -211,7 +203,7 @@ impl CachePolicy for LruPolicy {
 
     fn mark_evictable(&mut self, chunk: ChunkId) {
         debug_assert!(self.resident[chunk as usize] && !self.order.contains(chunk));
-        self.order.release(chunk, self.ranks[chunk as usize]);
+        self.order.release(chunk, self.order.last_key(chunk));
     }
 
     fn mark_non_evictable(&mut self, chunk: ChunkId) {
@@ -222,7 +214,7 @@ impl CachePolicy for LruPolicy {
     fn state(&self) -> PolicyState {
         let ranks = (0..self.resident.len())
             .filter(|&i| self.resident[i])
-            .map(|i| (i as ChunkId, self.ranks[i]))
+            .map(|i| (i as ChunkId, self.order.last_key(i as ChunkId)))
             .collect();
         PolicyState::Lru {
             ranks,
@@ -236,6 +228,8 @@ impl CachePolicy for LruPolicy {
             "lru: resident set differs from the index"
         );
         self.order.validate()?;
+        // Ranks live in the order alone (`last_key`), so a member's key is its rank by
+        // construction.
         let mut n = 0;
         for (i, &res) in self.resident.iter().enumerate() {
             let c = i as ChunkId;
@@ -244,33 +238,21 @@ impl CachePolicy for LruPolicy {
                 self.order.contains(c) == ev,
                 "lru: chunk {i} evictable membership is wrong"
             );
-            if ev {
-                n += 1;
-                ensure!(
-                    self.ranks[i].0 < self.next_rank,
-                    "lru: chunk {i} rank not yet issued"
-                );
-            }
+            n += usize::from(ev);
+            ensure!(
+                !res || self.order.last_key(c).0 < self.next_rank,
+                "lru: chunk {i} rank not yet issued"
+            );
+            ensure!(
+                self.order.held_key_of(c).is_none() || (res && refs.raw(c) != 0),
+                "lru: chunk {i} held in the order but not pinned or pending"
+            );
         }
         ensure!(
             n == self.order.len(),
             "lru: order holds {} entries for {n} evictable",
             self.order.len()
         );
-        for (i, &rank) in self.ranks.iter().enumerate() {
-            let c = i as ChunkId;
-            let key = self.order.key_of(c);
-            ensure!(
-                key.is_none_or(|k| k == rank),
-                "lru: chunk {i} ordered under a stale rank"
-            );
-            if let Some(k) = self.order.held_key_of(c) {
-                ensure!(
-                    self.resident[i] && (refs.raw(c) > 0 || refs.raw(c) == -1) && k == rank,
-                    "lru: chunk {i} held in the order but not pinned or pending at its rank"
-                );
-            }
-        }
         Ok(())
     }
 }
@@ -362,7 +344,7 @@ mod tests {
             &mut req,
         );
         // The request's rank (1) is newer than chunk 0's (0, 0): raised to (1, -4).
-        assert_eq!(p.ranks[0], (1, -4));
+        assert_eq!(p.order.last_key(0), (1, -4));
         let PolicyState::Lru { next_rank, .. } = p.state() else {
             panic!()
         };

@@ -1,9 +1,10 @@
 //! `EvictionOrder`: the evictable chunks of a policy in ascending order of a sort key.
 //!
 //! Most insertions carry a key above every key in the order (a fresh rank, a new sequence
-//! number): those are appended to an intrusive linked list threaded through per-chunk arrays,
-//! in O(1). So is an insertion right next to the previous one (a request's chunks ranked by
-//! token position arrive tail first, each just below the last).
+//! number): those are appended to an intrusive linked list threaded through a per-chunk node
+//! array (key and links side by side), in O(1). So is an insertion right next to the previous
+//! one (a request's chunks ranked by token position arrive tail first, each just below the
+//! last).
 //!
 //! Keys may belong to a *group* (LRU: the ranks `(request rank, -position)` of one request).
 //! A grouped key that cannot join the list joins its group's *run* instead: a sorted linked
@@ -68,6 +69,15 @@ enum Place {
     RunHeld,
 }
 
+/// A chunk's sort key and, when it is in the list or a run, the next (greater) and previous
+/// entries there.
+#[derive(Debug, Clone, Copy)]
+struct Node<K> {
+    key: K,
+    next: u32,
+    prev: u32,
+}
+
 /// A group's run: its first and last chunk (the links between them are `next` and `prev`).
 #[derive(Debug, Clone, Copy)]
 struct Run {
@@ -79,10 +89,9 @@ struct Run {
 #[derive(Debug, Clone)]
 pub(crate) struct EvictionOrder<K> {
     place: Vec<Place>,
-    key: Vec<K>,
-    /// When a chunk is in the list or a run: the next (greater) and previous entries there.
-    next: Vec<u32>,
-    prev: Vec<u32>,
+    /// Each chunk's key and links, side by side: an insertion or removal reads and writes one
+    /// line per chunk it touches (the chunk, its neighbours), not one per array.
+    nodes: Vec<Node<K>>,
     head: u32,
     tail: u32,
     /// The list member inserted last (`NIL` when it left the list).
@@ -100,9 +109,7 @@ impl<K: OrderKey> EvictionOrder<K> {
     pub(crate) fn new() -> Self {
         Self {
             place: Vec::new(),
-            key: Vec::new(),
-            next: Vec::new(),
-            prev: Vec::new(),
+            nodes: Vec::new(),
             head: NIL,
             tail: NIL,
             finger: NIL,
@@ -117,9 +124,12 @@ impl<K: OrderKey> EvictionOrder<K> {
     pub(crate) fn grow(&mut self, n: usize) {
         if n > self.place.len() {
             self.place.resize(n, Place::Out);
-            self.key.resize(n, K::default());
-            self.next.resize(n, NIL);
-            self.prev.resize(n, NIL);
+            let blank = Node {
+                key: K::default(),
+                next: NIL,
+                prev: NIL,
+            };
+            self.nodes.resize(n, blank);
         }
     }
 
@@ -137,7 +147,7 @@ impl<K: OrderKey> EvictionOrder<K> {
 
     /// The sort key of member `c`.
     pub(crate) fn key_of(&self, c: ChunkId) -> Option<K> {
-        self.contains(c).then(|| self.key[c as usize])
+        self.contains(c).then(|| self.nodes[c as usize].key)
     }
 
     /// Start loading `c`'s entry into the cache; changes nothing.
@@ -145,9 +155,7 @@ impl<K: OrderKey> EvictionOrder<K> {
         let i = c as usize;
         if i < self.place.len() {
             crate::mem::prefetch(&self.place[i]);
-            crate::mem::prefetch(&self.key[i]);
-            crate::mem::prefetch(&self.next[i]);
-            crate::mem::prefetch(&self.prev[i]);
+            crate::mem::prefetch(&self.nodes[i]);
         }
     }
 
@@ -155,14 +163,27 @@ impl<K: OrderKey> EvictionOrder<K> {
     pub(crate) fn prefetch_neighbours(&self, c: ChunkId) {
         let i = c as usize;
         if i < self.place.len() && matches!(self.place[i], Place::List | Place::ListHeld) {
-            let (p, n) = (self.prev[i], self.next[i]);
+            let (p, n) = (self.nodes[i].prev, self.nodes[i].next);
             if p != NIL {
-                crate::mem::prefetch(&self.next[p as usize]);
+                crate::mem::prefetch(&self.nodes[p as usize]);
             }
             if n != NIL {
-                crate::mem::prefetch(&self.prev[n as usize]);
+                crate::mem::prefetch(&self.nodes[n as usize]);
             }
         }
+    }
+
+    /// The key `c` was last given (by an insertion or [`set_key`](Self::set_key)), whatever
+    /// its place now: a removal keeps it, so a policy can keep each chunk's key here alone.
+    pub(crate) fn last_key(&self, c: ChunkId) -> K {
+        self.nodes[c as usize].key
+    }
+
+    /// Give `c`, neither a member nor held, the key a later [`last_key`](Self::last_key)
+    /// returns, without inserting it.
+    pub(crate) fn set_key(&mut self, c: ChunkId, k: K) {
+        debug_assert_eq!(self.place[c as usize], Place::Out);
+        self.nodes[c as usize].key = k;
     }
 
     /// The key `c` is held at, when it is held.
@@ -170,25 +191,25 @@ impl<K: OrderKey> EvictionOrder<K> {
         self.place
             .get(c as usize)
             .is_some_and(|&p| matches!(p, Place::ListHeld | Place::TreeHeld | Place::RunHeld))
-            .then(|| self.key[c as usize])
+            .then(|| self.nodes[c as usize].key)
     }
 
     /// Add `c` with sort key `k` (`c` must be neither a member nor held).
     pub(crate) fn insert(&mut self, c: ChunkId, k: K) {
         let i = c as usize;
         debug_assert_eq!(self.place[i], Place::Out);
-        self.key[i] = k;
+        self.nodes[i].key = k;
         self.len += 1;
         let me = (k, c);
-        let entry = |m: u32| (self.key[m as usize], m);
+        let entry = |m: u32| (self.nodes[m as usize].key, m);
         // The member after which `c` belongs, if that spot is the tail or next to the finger.
         let after = if self.tail == NIL || me > entry(self.tail) {
             Some(self.tail)
         } else if self.finger != NIL && me < entry(self.finger) {
-            let p = self.prev[self.finger as usize];
+            let p = self.nodes[self.finger as usize].prev;
             (p == NIL || entry(p) < me).then_some(p)
         } else if self.finger != NIL {
-            let n = self.next[self.finger as usize];
+            let n = self.nodes[self.finger as usize].next;
             (n != NIL && me < entry(n)).then_some(self.finger)
         } else {
             None
@@ -207,25 +228,25 @@ impl<K: OrderKey> EvictionOrder<K> {
         let Some(g) = k.group() else { return false };
         let i = c as usize;
         let me = (k, c);
-        let (key, next, prev) = (&self.key, &mut self.next, &mut self.prev);
-        let entry = |m: u32| (key[m as usize], m);
+        let nodes = &mut self.nodes;
+        let entry = |nodes: &[Node<K>], m: u32| (nodes[m as usize].key, m);
         match self.runs.get_mut(&g) {
             None => {
                 self.runs.insert(g, Run { first: c, last: c });
                 self.run_groups.insert(g);
-                prev[i] = NIL;
-                next[i] = NIL;
+                nodes[i].prev = NIL;
+                nodes[i].next = NIL;
             }
-            Some(run) if me < entry(run.first) => {
-                prev[i] = NIL;
-                next[i] = run.first;
-                prev[run.first as usize] = c;
+            Some(run) if me < entry(nodes, run.first) => {
+                nodes[i].prev = NIL;
+                nodes[i].next = run.first;
+                nodes[run.first as usize].prev = c;
                 run.first = c;
             }
-            Some(run) if me > entry(run.last) => {
-                prev[i] = run.last;
-                next[i] = NIL;
-                next[run.last as usize] = c;
+            Some(run) if me > entry(nodes, run.last) => {
+                nodes[i].prev = run.last;
+                nodes[i].next = NIL;
+                nodes[run.last as usize].next = c;
                 run.last = c;
             }
             Some(_) => return false,
@@ -237,12 +258,12 @@ impl<K: OrderKey> EvictionOrder<K> {
     /// Take `chunk` (in the run of `group`) out of the run; the run goes when it empties.
     fn leave_run(&mut self, chunk: ChunkId, group: u64) {
         let at = chunk as usize;
-        let (before, after) = (self.prev[at], self.next[at]);
+        let (before, after) = (self.nodes[at].prev, self.nodes[at].next);
         if before != NIL {
-            self.next[before as usize] = after;
+            self.nodes[before as usize].next = after;
         }
         if after != NIL {
-            self.prev[after as usize] = before;
+            self.nodes[after as usize].prev = before;
         }
         match (before, after) {
             (NIL, NIL) => {
@@ -269,20 +290,20 @@ impl<K: OrderKey> EvictionOrder<K> {
         let n = if p == NIL {
             self.head
         } else {
-            self.next[p as usize]
+            self.nodes[p as usize].next
         };
         self.place[i] = Place::List;
-        self.prev[i] = p;
-        self.next[i] = n;
+        self.nodes[i].prev = p;
+        self.nodes[i].next = n;
         if p == NIL {
             self.head = c;
         } else {
-            self.next[p as usize] = c;
+            self.nodes[p as usize].next = c;
         }
         if n == NIL {
             self.tail = c;
         } else {
-            self.prev[n as usize] = c;
+            self.nodes[n as usize].prev = c;
         }
         self.finger = c;
     }
@@ -294,10 +315,10 @@ impl<K: OrderKey> EvictionOrder<K> {
         match place {
             Place::Out => return,
             Place::Tree | Place::TreeHeld => {
-                self.tree.remove(&(self.key[i], c));
+                self.tree.remove(&(self.nodes[i].key, c));
             }
             Place::Run | Place::RunHeld => {
-                if let Some(g) = self.key[i].group() {
+                if let Some(g) = self.nodes[i].key.group() {
                     self.leave_run(c, g);
                 }
             }
@@ -305,16 +326,16 @@ impl<K: OrderKey> EvictionOrder<K> {
                 if self.finger == c {
                     self.finger = NIL;
                 }
-                let (p, n) = (self.prev[i], self.next[i]);
+                let (p, n) = (self.nodes[i].prev, self.nodes[i].next);
                 if p == NIL {
                     self.head = n;
                 } else {
-                    self.next[p as usize] = n;
+                    self.nodes[p as usize].next = n;
                 }
                 if n == NIL {
                     self.tail = p;
                 } else {
-                    self.prev[n as usize] = p;
+                    self.nodes[n as usize].prev = p;
                 }
             }
         }
@@ -351,9 +372,9 @@ impl<K: OrderKey> EvictionOrder<K> {
     pub(crate) fn release(&mut self, c: ChunkId, k: K) {
         let i = c as usize;
         match self.place[i] {
-            Place::ListHeld if self.key[i] == k => self.place[i] = Place::List,
-            Place::TreeHeld if self.key[i] == k => self.place[i] = Place::Tree,
-            Place::RunHeld if self.key[i] == k => self.place[i] = Place::Run,
+            Place::ListHeld if self.nodes[i].key == k => self.place[i] = Place::List,
+            Place::TreeHeld if self.nodes[i].key == k => self.place[i] = Place::Tree,
+            Place::RunHeld if self.nodes[i].key == k => self.place[i] = Place::Run,
             _ => {
                 self.remove(c);
                 self.insert(c, k);
@@ -380,9 +401,7 @@ impl<K: OrderKey> EvictionOrder<K> {
     /// Forget every member.
     pub(crate) fn clear(&mut self) {
         self.place.clear();
-        self.key.clear();
-        self.next.clear();
-        self.prev.clear();
+        self.nodes.clear();
         self.head = NIL;
         self.tail = NIL;
         self.finger = NIL;
@@ -407,13 +426,16 @@ impl<K: OrderKey> EvictionOrder<K> {
             let i = c as usize;
             ensure!(
                 places.contains(&self.place[i])
-                    && group.is_none_or(|g| self.key[i].group() == Some(g)),
+                    && group.is_none_or(|g| self.nodes[i].key.group() == Some(g)),
                 "order: chunk {c} linked in a chain ({group:?}) it does not belong to"
             );
-            ensure!(self.prev[i] == prev, "order: chunk {c} back link broken");
+            ensure!(
+                self.nodes[i].prev == prev,
+                "order: chunk {c} back link broken"
+            );
             if prev != NIL {
                 ensure!(
-                    (self.key[prev as usize], prev) < (self.key[i], c),
+                    (self.nodes[prev as usize].key, prev) < (self.nodes[i].key, c),
                     "order: chain ({group:?}) not ascending at chunk {c}"
                 );
             }
@@ -424,7 +446,7 @@ impl<K: OrderKey> EvictionOrder<K> {
                 "order: chain longer than the chunk count (cycle?)"
             );
             prev = c;
-            c = self.next[i];
+            c = self.nodes[i].next;
         }
         Ok((prev, members, walked))
     }
@@ -437,7 +459,7 @@ impl<K: OrderKey> EvictionOrder<K> {
         for &(k, c) in &self.tree {
             let i = c as usize;
             ensure!(
-                matches!(self.place[i], Place::Tree | Place::TreeHeld) && self.key[i] == k,
+                matches!(self.place[i], Place::Tree | Place::TreeHeld) && self.nodes[i].key == k,
                 "order: stale tree entry for chunk {c}"
             );
             n += usize::from(self.place[i] == Place::Tree);
@@ -500,7 +522,7 @@ impl<K: OrderKey> Iter<'_, K> {
                 None => self.more_runs = false,
             }
         }
-        let from_list = (self.list != NIL).then(|| (o.key[self.list as usize], self.list));
+        let from_list = (self.list != NIL).then(|| (o.nodes[self.list as usize].key, self.list));
         let from_tree = self.tree.peek().map(|&&t| t);
         // The lesser of the list's and the tree's heads, then of that and the run's.
         let (mut best, mut from) = match (from_list, from_tree) {
@@ -509,15 +531,15 @@ impl<K: OrderKey> Iter<'_, K> {
             (None, t) => (t, Source::Tree),
         };
         if self.run != NIL {
-            let r = (o.key[self.run as usize], self.run);
+            let r = (o.nodes[self.run as usize].key, self.run);
             if best.is_none_or(|b| r < b) {
                 (best, from) = (Some(r), Source::Run);
             }
         }
         let (k, c) = best?;
         match from {
-            Source::List => self.list = o.next[c as usize],
-            Source::Run => self.run = o.next[c as usize],
+            Source::List => self.list = o.nodes[c as usize].next,
+            Source::Run => self.run = o.nodes[c as usize].next,
             Source::Tree => {
                 self.tree.next();
             }
