@@ -3,7 +3,9 @@
 Runs, each in its own process and all in this one invocation (so the ratios are side by side):
 ``report.py`` (FFI cases, every policy), ``scaling.py`` (size, pins, batch, memory),
 ``vllm_step.py`` (scheduler-trace replay against vLLM 0.33.0's manager) and ``kvoffload bench``
-(the same replay against the reference, every policy); then writes the markdown and the PNGs.
+(the same replay against the reference, every policy); then, for the targets against vLLM, two
+more runs of the target cases and of the replay, each in a fresh process (the page's verdicts
+take the median of the three); then writes the markdown and the PNGs.
 
     python benches/make_report.py --quick     # a few minutes: smaller pools and fewer repeats
     python benches/make_report.py --full      # the published figures: 10^7 chunks and more repeats
@@ -36,14 +38,20 @@ MODES: dict[str, dict[str, list[str]]] = {
         ],
         "step": ["--requests", "2000", "--repeat", "3"],
         "bench": ["--requests", "2000", "--repeat", "3"],
+        "targets": ["--sizes", "100000", "--repeat", "3"],
     },
     "full": {
         "report": ["--sizes", "1000,100000,1000000", "--repeat", "7"],
         "scaling": ["--python-max", "1000000", "--memory-chunks", "1000000", "--repeat", "5"],
         "step": ["--requests", "5000", "--repeat", "3"],
         "bench": ["--requests", "5000", "--repeat", "3"],
+        "targets": ["--sizes", "100000", "--repeat", "7"],
     },
 }
+
+#: Runs of the target cases against vLLM beyond the main one (``ffi-2.json``, ``step-2.json``...).
+EXTRA_RUNS = (2, 3)
+TARGET_OPS = "store_evict,load_complete,lookup,lookup_prefix"
 
 
 def _run(name: str, cmd: list[str], log: Path) -> float:
@@ -73,8 +81,17 @@ def measure(mode: str, out: Path) -> None:
             *("--impls", "reference,rust", "--json", str(out / "bench.json")),
         ],
     }
+    for k in EXTRA_RUNS:
+        jobs[f"report-{k}"] = [
+            *(py, "report.py", "--policies", "lru,arc", "--impls", "rust,vllm"),
+            *("--ops", TARGET_OPS, "--json", str(out / f"ffi-{k}.json"), *opts["targets"]),
+        ]
+        jobs[f"step-{k}"] = [py, "vllm_step.py", "--json", str(out / f"step-{k}.json")]
+        jobs[f"step-{k}"] += opts["step"]
+    for name in ("report", "scaling", "step", "bench"):
+        jobs[name] += opts[name]
     for name, cmd in jobs.items():
-        seconds[name] = _run(name, [*cmd, *opts[name]], out / f"{name}.log")
+        seconds[name] = _run(name, cmd, out / f"{name}.log")
     meta = {
         "mode": mode,
         "python": platform.python_version(),
@@ -83,8 +100,7 @@ def measure(mode: str, out: Path) -> None:
         "seconds": seconds,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commands": {
-            name: ["python", *(_relative(part) for part in cmd[1:]), *opts[name]]
-            for name, cmd in jobs.items()
+            name: ["python", *(_relative(part) for part in cmd[1:])] for name, cmd in jobs.items()
         },
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -112,6 +128,9 @@ def load(out: Path) -> dict[str, Any]:
         path = out / f"{name}.json"
         if path.is_file():
             docs[name] = json.loads(path.read_text())
+    for name in ("ffi", "step"):
+        more = [out / f"{name}-{k}.json" for k in EXTRA_RUNS]
+        docs[f"{name}_more"] = [json.loads(p.read_text()) for p in more if p.is_file()]
     return docs
 
 

@@ -22,7 +22,8 @@ impl BuildHasher for KeyHasher {
 }
 
 /// The state of [`KeyHasher`]: byte strings enter through [`hash_key`], numbers through one
-/// multiply each.
+/// multiply each. A `usize` write is taken for a slice's length prefix and skipped, so this is
+/// no hasher for maps keyed by `usize` (the crate keys its maps by key bytes and `u64`).
 #[derive(Clone, Copy, Debug)]
 pub struct KeyState(u64);
 
