@@ -101,7 +101,7 @@ impl ArcPolicy {
         };
         let found = next_victim(&mut order.iter(&mut held), protected);
         for c in held {
-            self.evictable_map(l).remove(c);
+            self.order_of_mut(l).remove(c);
         }
         found
     }
@@ -180,6 +180,7 @@ impl ArcPolicy {
         self.target
     }
 
+    /// The order of list `l`'s evictable chunks (`l` is `T1` or `T2`).
     fn order_of(&self, l: List) -> &EvictionOrder<u64> {
         if l == List::T1 {
             &self.t1_evictable
@@ -188,7 +189,7 @@ impl ArcPolicy {
         }
     }
 
-    fn evictable_map(&mut self, l: List) -> &mut EvictionOrder<u64> {
+    fn order_of_mut(&mut self, l: List) -> &mut EvictionOrder<u64> {
         if l == List::T1 {
             &mut self.t1_evictable
         } else {
@@ -201,7 +202,7 @@ impl ArcPolicy {
         let l = self.list[i];
         if l != List::None {
             // A member, or a pinned chunk held in place.
-            self.evictable_map(l).remove(chunk);
+            self.order_of_mut(l).remove(chunk);
         }
         match l {
             List::T1 => self.t1_len -= 1,
@@ -243,11 +244,11 @@ impl ArcPolicy {
             List::None => return,
         }
         if self.evictable[i] {
-            self.evictable_map(l).insert(chunk, seq);
+            self.order_of_mut(l).insert(chunk, seq);
         } else {
             // Pending or pinned: held at the newest end, so `mark_evictable` releases it in
             // place (O(1)) rather than inserting it below newer entries, into the tree.
-            self.evictable_map(l).insert_held(chunk, seq);
+            self.order_of_mut(l).insert_held(chunk, seq);
         }
     }
 
@@ -476,7 +477,7 @@ impl CachePolicy for ArcPolicy {
         let l = self.list[i];
         if l != List::None {
             let seq = self.order_of(l).last_key(chunk);
-            self.evictable_map(l).release(chunk, seq);
+            self.order_of_mut(l).release(chunk, seq);
         }
     }
 
@@ -486,7 +487,7 @@ impl CachePolicy for ArcPolicy {
         self.evictable[i] = false;
         let l = self.list[i];
         if l != List::None {
-            self.evictable_map(l).hold(chunk);
+            self.order_of_mut(l).hold(chunk);
         }
     }
 

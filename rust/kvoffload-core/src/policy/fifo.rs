@@ -17,8 +17,9 @@ use crate::table::Slots;
 /// FIFO over chunk slots.
 #[derive(Debug, Clone)]
 pub struct FifoPolicy {
-    /// Insertion sequence of each resident chunk (0: not resident).
-    seq: Vec<u64>,
+    resident: Vec<bool>,
+    /// The ready chunks by insertion sequence. It also keeps every resident chunk's sequence
+    /// (`last_key`), in the order or not: one copy.
     order: EvictionOrder<u64>,
     held: Vec<ChunkId>,
     next_seq: u64,
@@ -35,7 +36,7 @@ impl FifoPolicy {
     #[must_use]
     pub fn new() -> Self {
         Self {
-            seq: Vec::new(),
+            resident: Vec::new(),
             order: EvictionOrder::new(),
             held: Vec::new(),
             next_seq: 0,
@@ -45,20 +46,22 @@ impl FifoPolicy {
 
 impl CachePolicy for FifoPolicy {
     fn grow(&mut self, n: usize) {
-        if n > self.seq.len() {
-            self.seq.resize(n, 0);
+        if n > self.resident.len() {
+            self.resident.resize(n, false);
             self.order.grow(n);
         }
     }
 
     fn insert(&mut self, chunk: ChunkId, _key: Access<'_>, _rank: &mut RequestRank) {
         self.next_seq += 1;
-        self.seq[chunk as usize] = self.next_seq;
+        self.resident[chunk as usize] = true;
+        // Pending: out of the order until `mark_evictable`, which inserts it at this sequence.
+        self.order.set_key(chunk, self.next_seq);
     }
 
     fn remove(&mut self, chunk: ChunkId) {
         self.order.remove(chunk);
-        self.seq[chunk as usize] = 0;
+        self.resident[chunk as usize] = false;
     }
 
     fn evict(
@@ -86,20 +89,20 @@ impl CachePolicy for FifoPolicy {
         }
         for &c in &out[start..] {
             self.order.remove(c);
-            self.seq[c as usize] = 0;
+            self.resident[c as usize] = false;
         }
         true
     }
 
     fn clear(&mut self) {
-        self.seq.clear();
+        self.resident.clear();
         self.order.clear();
         self.held.clear();
         self.next_seq = 0;
     }
 
     fn mark_evictable(&mut self, chunk: ChunkId) {
-        self.order.release(chunk, self.seq[chunk as usize]);
+        self.order.release(chunk, self.order.last_key(chunk));
     }
 
     fn mark_non_evictable(&mut self, chunk: ChunkId) {
@@ -111,9 +114,9 @@ impl CachePolicy for FifoPolicy {
     }
 
     fn state(&self) -> PolicyState {
-        let mut order: Vec<(u64, ChunkId)> = (0..self.seq.len())
-            .filter(|&i| self.seq[i] != 0)
-            .map(|i| (self.seq[i], i as ChunkId))
+        let mut order: Vec<(u64, ChunkId)> = (0..self.resident.len())
+            .filter(|&i| self.resident[i])
+            .map(|i| (self.order.last_key(i as ChunkId), i as ChunkId))
             .collect();
         order.sort_unstable();
         PolicyState::Queue {
@@ -125,28 +128,21 @@ impl CachePolicy for FifoPolicy {
 
     fn validate(&self, resident: &[bool], refs: &Slots) -> Result<()> {
         ensure!(
-            resident.len() == self.seq.len(),
-            "fifo: per-chunk arrays differ in length"
+            resident == self.resident.as_slice(),
+            "fifo: resident set differs from the index"
         );
         self.order.validate()?;
         let mut ready = 0;
         for (i, &res) in resident.iter().enumerate() {
             let c = i as ChunkId;
-            ensure!(
-                res == (self.seq[i] != 0),
-                "fifo: chunk {i} residency differs from the index"
-            );
             let ev = res && refs.raw(c) == 0;
             ensure!(
                 self.order.contains(c) == ev,
                 "fifo: chunk {i} evictable membership is wrong"
             );
             ensure!(
-                self.order
-                    .key_of(c)
-                    .or(self.order.held_key_of(c))
-                    .is_none_or(|k| k == self.seq[i]),
-                "fifo: chunk {i} ordered under a stale sequence"
+                !res || (1..=self.next_seq).contains(&self.order.last_key(c)),
+                "fifo: chunk {i} sequence not yet issued"
             );
             ready += usize::from(ev);
         }

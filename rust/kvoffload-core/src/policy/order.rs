@@ -255,16 +255,22 @@ impl<K: OrderKey> EvictionOrder<K> {
         true
     }
 
+    /// Link `c`'s neighbours in its chain (the list or a run) to each other; returns them
+    /// (`NIL` at an end), for the caller to move the chain's ends.
+    fn splice_out(&mut self, c: ChunkId) -> (u32, u32) {
+        let Node { prev, next, .. } = self.nodes[c as usize];
+        if prev != NIL {
+            self.nodes[prev as usize].next = next;
+        }
+        if next != NIL {
+            self.nodes[next as usize].prev = prev;
+        }
+        (prev, next)
+    }
+
     /// Take `chunk` (in the run of `group`) out of the run; the run goes when it empties.
     fn leave_run(&mut self, chunk: ChunkId, group: u64) {
-        let at = chunk as usize;
-        let (before, after) = (self.nodes[at].prev, self.nodes[at].next);
-        if before != NIL {
-            self.nodes[before as usize].next = after;
-        }
-        if after != NIL {
-            self.nodes[after as usize].prev = before;
-        }
+        let (before, after) = self.splice_out(chunk);
         match (before, after) {
             (NIL, NIL) => {
                 self.runs.remove(&group);
@@ -326,16 +332,12 @@ impl<K: OrderKey> EvictionOrder<K> {
                 if self.finger == c {
                     self.finger = NIL;
                 }
-                let (p, n) = (self.nodes[i].prev, self.nodes[i].next);
+                let (p, n) = self.splice_out(c);
                 if p == NIL {
                     self.head = n;
-                } else {
-                    self.nodes[p as usize].next = n;
                 }
                 if n == NIL {
                     self.tail = p;
-                } else {
-                    self.nodes[n as usize].prev = p;
                 }
             }
         }
