@@ -7,6 +7,8 @@ takes a request rank from the same counter as fresh ranks.
 
 from __future__ import annotations
 
+import enum
+
 import numpy as np
 import pytest
 
@@ -29,6 +31,7 @@ from _helpers import (
     store,
 )
 from kvoffload import (
+    InvalidKeyError,
     KeyStateError,
     ReqContext,
     RequestFinishedError,
@@ -562,3 +565,71 @@ def test_completions_by_prepared_objects_copies_or_stale_ones(
     with pytest.raises(KeyStateError):
         m.complete_load(loaded, ctx)  # every pin already released
     m.check_invariants()
+
+
+# === Key collections ===========================================================================
+# The native manager reads lists and tuples 32 items at a time, with a fast path for batches of
+# exact ``bytes``; these pin down that every shape and mix reads the same.
+
+
+def _keys_as(shape: str, keys: list[bytes]) -> object:
+    if shape == "list":
+        return list(keys)
+    if shape == "tuple":
+        return tuple(keys)
+    return iter(keys)
+
+
+@pytest.mark.parametrize("shape", ["list", "tuple", "iterator"])
+def test_key_collections_read_alike_past_one_batch(make_manager: MakeManager, shape: str) -> None:
+    m = make_manager(80)
+    ctx = ReqContext(req_id="")
+    keys = ks(*range(70))
+    keys[40] = _Key(keys[40])  # a subclass in the second batch of 32
+    out = m.prepare_store(_keys_as(shape, keys), ctx)
+    assert out.keys_to_store == keys
+    assert out.keys_to_store[40] is keys[40]
+    assert chunk_ids(out) == list(range(70))
+    m.complete_store(_keys_as(shape, out.keys_to_store), ctx)
+    assert m.lookup_prefix(_keys_as(shape, keys), ctx) == 70
+    assert chunk_ids(m.prepare_load(_keys_as(shape, keys[::-1]), ctx)) == list(range(69, -1, -1))
+    m.complete_load(_keys_as(shape, keys), ctx)
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("shape", ["list", "tuple"])
+@pytest.mark.parametrize("bad_at", [0, 31, 32, 45])
+def test_bad_item_in_any_batch_changes_nothing(
+    make_manager: MakeManager, shape: str, bad_at: int
+) -> None:
+    m = make_manager(80)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2)
+    before = (m.policy_state(), m.resident(), m.pool_state())
+    keys: list[object] = list(ks(*range(10, 60)))
+    keys[bad_at] = "not bytes"
+    with pytest.raises(InvalidKeyError, match="must be bytes, got str"):
+        m.prepare_store(_keys_as(shape, keys), ctx)  # type: ignore[arg-type]
+    with pytest.raises(InvalidKeyError):
+        m.lookup_prefix(_keys_as(shape, keys), ctx)  # type: ignore[arg-type]
+    assert (m.policy_state(), m.resident(), m.pool_state()) == before
+    m.check_invariants()
+
+
+def test_positions_of_any_int_type_read_alike(make_manager: MakeManager) -> None:
+    # Plain ints take the native manager's fast path; bool, numpy and IntEnum values the general
+    # one. Both must rank alike.
+    class Pos(enum.IntEnum):
+        ONE = 1
+        FIVE = 5
+
+    states = []
+    for one, five in [(1, 5), (True, np.int64(5)), (Pos.ONE, Pos.FIVE)]:
+        m = make_manager(4)
+        ctx = ReqContext(req_id="")
+        ctx.set_offload_key_position(k(1), one)
+        ctx.set_offload_key_position(k(2), five)
+        store(m, ctx, 1, 2, 3)
+        m.on_request_finished(ctx)
+        states.append(lru_state(m))
+    assert states[0] == states[1] == states[2]

@@ -9,42 +9,28 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 /// The `bytes` objects of a call, kept alive while their bytes are borrowed.
 pub(crate) struct Keys<'py> {
     pub(crate) objs: Vec<Bound<'py, PyBytes>>,
+    /// Each object's bytes, read once as the objects are collected. Never handed out longer
+    /// than a borrow of `self` (see [`slices`](Self::slices)).
+    bytes: Vec<&'static [u8]>,
 }
 
 impl<'py> Keys<'py> {
     /// Collect the keys of `obj` (a list, tuple or any iterable of `bytes`).
     pub(crate) fn extract(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
         let py = obj.py();
-        // Sized up front for a list or tuple: growing one push at a time cost more than reading
-        // the keys.
-        let known = obj
-            .cast::<PyList>()
-            .map(PyListMethods::len)
-            .or_else(|_| obj.cast::<PyTuple>().map(PyTupleMethods::len))
-            .unwrap_or(0);
-        let mut objs = Vec::with_capacity(known);
-        let mut push = |item: Bound<'py, PyAny>| -> PyResult<()> {
-            match item.cast_into::<PyBytes>() {
-                Ok(b) => {
-                    objs.push(b);
-                    Ok(())
-                }
-                Err(e) => {
-                    let got = e.into_inner();
-                    let ty = type_name(&got);
-                    Err(invalid_key(py, format!("keys must be bytes, got {ty}")))
-                }
-            }
+        let mut keys = Self {
+            objs: Vec::new(),
+            bytes: Vec::new(),
         };
         if let Ok(list) = obj.cast::<PyList>() {
-            prefetch_items(list);
-            for item in list.iter() {
-                push(item)?;
-            }
+            keys.extend_from_list(list)?;
         } else if let Ok(tuple) = obj.cast::<PyTuple>() {
-            for item in tuple.iter() {
-                push(item)?;
-            }
+            // A tuple's items never change and it lives through the call (the caller holds
+            // it), so its borrowed items stay live without a critical section.
+            keys.extend_from_items(py, tuple.len(), |i| {
+                // SAFETY: `tuple` is a live tuple and `i` below its length.
+                unsafe { pyo3::ffi::PyTuple_GetItem(tuple.as_ptr(), i) }
+            })?;
         } else if obj.is_instance_of::<PyBytes>() {
             return Err(invalid_key(
                 py,
@@ -56,50 +42,134 @@ impl<'py> Keys<'py> {
                 invalid_key(py, format!("keys must be an iterable of bytes, got {ty}"))
             })?;
             for item in iter {
-                push(item?)?;
+                keys.push(item?)?;
             }
         }
-        Ok(Self { objs })
+        Ok(keys)
+    }
+
+    fn reserve(&mut self, n: usize) {
+        self.objs.reserve_exact(n);
+        self.bytes.reserve_exact(n);
+    }
+
+    /// Add one item, which must be `bytes` (or a subclass).
+    #[inline]
+    fn push(&mut self, item: Bound<'py, PyAny>) -> PyResult<()> {
+        match item.cast_into::<PyBytes>() {
+            Ok(b) => {
+                self.push_bytes(b);
+                Ok(())
+            }
+            Err(e) => {
+                let got = e.into_inner();
+                let ty = type_name(&got);
+                Err(invalid_key(
+                    got.py(),
+                    format!("keys must be bytes, got {ty}"),
+                ))
+            }
+        }
+    }
+
+    #[inline]
+    fn push_bytes(&mut self, b: Bound<'py, PyBytes>) {
+        // SAFETY: `b` is a live `bytes`, kept in `objs` until `self` drops; the slice is only
+        // ever lent out for a borrow of `self` (`slices`).
+        self.bytes.push(unsafe { bytes_of(b.as_ptr()) });
+        self.objs.push(b);
+    }
+
+    /// The items of a list, read under the list's critical section: no other thread can
+    /// resize the list or replace its items meanwhile (free-threaded builds; with the GIL this
+    /// is the GIL itself), so the length read here stays true throughout and every item read
+    /// is a live object. No Python code runs inside, so the section is never suspended.
+    fn extend_from_list(&mut self, list: &Bound<'py, PyList>) -> PyResult<()> {
+        pyo3::sync::critical_section::with_critical_section(list.as_any(), || {
+            self.extend_from_items(list.py(), list.len(), |i| {
+                // SAFETY: `list` is a live list that cannot change meanwhile and `i` is below
+                // its length.
+                unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i) }
+            })
+        })
+    }
+
+    /// The `len` items `item(0..len)` of a list or tuple, each a borrowed pointer to a live
+    /// object that stays live (and in place) for the whole call; 32 at a time: every item's
+    /// header is prefetched first, so that the cache misses of a batch of key objects overlap,
+    /// then the batch is checked, kept and its bytes read.
+    fn extend_from_items(
+        &mut self,
+        py: Python<'py>,
+        len: usize,
+        item: impl Fn(pyo3::ffi::Py_ssize_t) -> *mut pyo3::ffi::PyObject,
+    ) -> PyResult<()> {
+        const BATCH: usize = 32;
+        self.reserve(len);
+        // The interpreter's `bytes` type object (only its address is taken).
+        let bytes_type = std::ptr::addr_of_mut!(pyo3::ffi::PyBytes_Type);
+        let mut items = [std::ptr::null_mut::<pyo3::ffi::PyObject>(); BATCH];
+        for lo in (0..len).step_by(BATCH) {
+            let items = &mut items[..BATCH.min(len - lo)];
+            for (i, slot) in (lo..).zip(items.iter_mut()) {
+                let i = pyo3::ffi::Py_ssize_t::try_from(i).unwrap_or(pyo3::ffi::Py_ssize_t::MAX);
+                let p = item(i);
+                if p.is_null() {
+                    // Unreachable while the length holds: the error raised for the index.
+                    return Err(PyErr::fetch(py));
+                }
+                // The object header and the next line (a `bytes` object's data starts 32
+                // bytes in); a prefetch never dereferences its address.
+                kvoffload_core::mem::prefetch_addr(p.cast::<u8>().cast_const());
+                kvoffload_core::mem::prefetch_addr(p.cast::<u8>().cast_const().wrapping_add(64));
+                *slot = p;
+            }
+            let exact = items.iter().all(|&p| {
+                // SAFETY: a live object (the caller's contract): its type is readable.
+                unsafe { pyo3::ffi::Py_TYPE(p) == bytes_type }
+            });
+            if exact {
+                self.bytes.extend(items.iter().map(|&p| {
+                    // SAFETY: a live, exact `bytes` (above), kept in `objs` just below for as
+                    // long as `self` lives; `slices` lends the buffer out no longer.
+                    unsafe { bytes_of(p) }
+                }));
+                self.objs.extend(items.iter().map(|&p| {
+                    // SAFETY: a live object, exactly `bytes`; `from_borrowed_ptr` takes a new
+                    // reference of our own.
+                    unsafe { Bound::from_borrowed_ptr(py, p).cast_into_unchecked() }
+                }));
+            } else {
+                for &p in items.iter() {
+                    // SAFETY: a live object; `from_borrowed_ptr` takes a new reference of our
+                    // own.
+                    self.push(unsafe { Bound::from_borrowed_ptr(py, p) })?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The key bytes, lined up with the objects.
-    pub(crate) fn slices(&self) -> Vec<&[u8]> {
-        self.objs.iter().map(PyBytesMethods::as_bytes).collect()
+    pub(crate) fn slices(&self) -> &[&[u8]] {
+        &self.bytes
     }
 }
 
-/// Start loading every item of `list` (its header and first bytes) into the cache, so that the
-/// cache misses on a batch of key objects overlap instead of queueing.
-fn prefetch_items(list: &Bound<'_, PyList>) {
-    if list.len() < 2 {
-        return;
+/// The bytes of a `bytes` object (or subclass instance), as a slice not tied to a borrow.
+///
+/// # Safety
+/// `obj` is a live `bytes` object, attached to the interpreter, and the caller keeps it alive
+/// for as long as the slice is used (see [`Keys`]).
+#[inline]
+unsafe fn bytes_of(obj: *mut pyo3::ffi::PyObject) -> &'static [u8] {
+    // SAFETY: per the contract, `obj` is a live `bytes`, whose buffer is immutable and holds
+    // `Py_SIZE(obj)` bytes while the object lives; `PyBytes_AsString` cannot fail on one.
+    unsafe {
+        let data = pyo3::ffi::PyBytes_AsString(obj).cast::<u8>().cast_const();
+        let len = usize::try_from(pyo3::ffi::Py_SIZE(obj)).unwrap_or(0);
+        std::slice::from_raw_parts(data, len)
     }
-    // Under the list's critical section no other thread can resize it or replace its items
-    // (free-threaded builds; with the GIL this is the GIL itself), so the length read here
-    // stays true for the whole loop and every pointer read is a live item's.
-    pyo3::sync::critical_section::with_critical_section(list.as_any(), || {
-        let Ok(len) = pyo3::ffi::Py_ssize_t::try_from(list.len()) else {
-            return;
-        };
-        for i in 0..len {
-            // SAFETY: `list` is a live list that no other thread can change meanwhile (the
-            // critical section) and `i` is below its length, so `PyList_GetItem` returns a
-            // borrowed pointer to a live object; the pointer is only handed to a prefetch,
-            // which never dereferences it. No Python code runs in this loop, so the critical
-            // section is never suspended.
-            let item = unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i) };
-            if item.is_null() {
-                // SAFETY: attached to the interpreter (we have a `Bound`); this drops the error
-                // just raised (unreachable while the length holds).
-                unsafe { pyo3::ffi::PyErr_Clear() };
-                return;
-            }
-            // The object header and the next line (a `bytes` object's data starts 32 bytes in).
-            let p = item.cast::<u8>().cast_const();
-            kvoffload_core::mem::prefetch_addr(p);
-            kvoffload_core::mem::prefetch_addr(p.wrapping_add(64));
-        }
-    });
 }
 
 /// The Python type name of `obj`, for error messages.
@@ -149,6 +219,46 @@ pub(crate) fn position_value(v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
             "InvalidArgumentError",
             format!("a token position must be an int in the int64 range, got {ty}"),
         )
+    })
+}
+
+/// `key`'s entry in a positions dict when it is absent, `None` or an int in the int64 range,
+/// read without taking a reference to the value or converting it through the generic path
+/// (about a third of a position read); `None` for any other value, which the caller reads the
+/// general way (and reports).
+fn plain_position<'py>(
+    pos: &Bound<'py, PyDict>,
+    key: &Bound<'py, PyAny>,
+) -> Option<PyResult<Option<i64>>> {
+    use pyo3::ffi;
+    let py = pos.py();
+    // The dict's critical section (free-threaded builds; with the GIL, the GIL) keeps the value
+    // found alive until it has been read: no other thread can replace it meanwhile.
+    pyo3::sync::critical_section::with_critical_section(pos.as_any(), || {
+        // SAFETY: `pos` is a dict and `key` an object, both live; the call returns a borrowed
+        // value or null (absent, or an error raised by a key's `__eq__`).
+        let v = unsafe { ffi::PyDict_GetItemWithError(pos.as_ptr(), key.as_ptr()) };
+        if v.is_null() {
+            return Some(PyErr::take(py).map_or(Ok(None), Err));
+        }
+        // SAFETY: `v` is a live object (above); only its identity and type are read.
+        let (none, int) = unsafe {
+            (
+                v == ffi::Py_None(),
+                ffi::Py_TYPE(v) == std::ptr::addr_of_mut!(ffi::PyLong_Type),
+            )
+        };
+        if none {
+            return Some(Ok(None));
+        }
+        if !int {
+            return None;
+        }
+        let mut overflow = 0;
+        // SAFETY: `v` is a live exact int, which the conversion reads without running Python
+        // code; out of range it sets `overflow` and raises nothing.
+        let x = unsafe { ffi::PyLong_AsLongLongAndOverflow(v, &raw mut overflow) };
+        (overflow == 0).then_some(Ok(Some(x)))
     })
 }
 
@@ -337,7 +447,12 @@ impl<'py> Context<'py> {
     /// The position of one key object, or `None`.
     pub(crate) fn position(&self, key: &Bound<'py, PyAny>) -> PyResult<Option<i64>> {
         let v = match &self.dicts {
-            Some((_, pos)) => pos.get_item(key)?,
+            Some((_, pos)) => {
+                if let Some(found) = plain_position(pos, key) {
+                    return found;
+                }
+                pos.get_item(key)?
+            }
             None => Some(self.obj.call_method1(
                 pyo3::intern!(self.obj.py(), "get_offload_key_position"),
                 (key,),

@@ -640,13 +640,13 @@ impl ManagerCore {
         let slices = keys.slices();
         // The lock if free, else the lock-free table (a long key needs the lock after all).
         if let Some(m) = uncontended(&self.inner) {
-            return Ok(m.lookup_prefix(&slices));
+            return Ok(m.lookup_prefix(slices));
         }
-        if let Some(hits) = self.table.lookup_prefix(&slices) {
+        if let Some(hits) = self.table.lookup_prefix(slices) {
             return Ok(hits);
         }
         let (hits, _) =
-            self.policy_call(py, None, &keys.objs, None, |m, _| m.lookup_prefix(&slices))?;
+            self.policy_call(py, None, &keys.objs, None, |m, _| m.lookup_prefix(slices))?;
         Ok(hits)
     }
 
@@ -676,7 +676,7 @@ impl ManagerCore {
                 let s = s.expect("state given");
                 renew_if_stale(m, s);
                 let mark = s.seen_keys().len();
-                let chunks = m.prepare_load(&slices, positions.as_deref(), s);
+                let chunks = m.prepare_load(slices, positions.as_deref(), s);
                 if let Ok(chunks) = &chunks {
                     for (&addr, &c) in addrs.iter().zip(chunks) {
                         m.memo.put(addr, c);
@@ -709,16 +709,16 @@ impl ManagerCore {
             if let Some(mut m) = uncontended(&self.inner) {
                 let hints = m.memo.hints(&addrs);
                 return m
-                    .complete_load_hinted(&slices, &hints)
+                    .complete_load_hinted(slices, &hints)
                     .map_err(|e| to_py(py, e));
             }
-            if self.table.release(&slices) == core::Release::Done {
+            if self.table.release(slices) == core::Release::Done {
                 return Ok(());
             }
         }
         let (done, raised) = self.policy_call(py, None, &keys.objs, None, |m, _| {
             let hints = m.memo.hints(&addrs);
-            m.complete_load_hinted(&slices, &hints)
+            m.complete_load_hinted(slices, &hints)
         })?;
         settle(py, done, raised)
     }
@@ -734,7 +734,7 @@ impl ManagerCore {
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
         let ((), raised) =
-            self.policy_call(py, req_context, &keys.objs, None, |m, _| m.touch(&slices))?;
+            self.policy_call(py, req_context, &keys.objs, None, |m, _| m.touch(slices))?;
         settle(py, Ok(()), raised)
     }
 
@@ -776,7 +776,7 @@ impl ManagerCore {
                 let s = s.expect("state given");
                 renew_if_stale(m, s);
                 let mark = s.seen_keys().len();
-                let outcome = m.prepare_store(&slices, positions.as_deref(), s);
+                let outcome = m.prepare_store(slices, positions.as_deref(), s);
                 let mut objs = Vec::new();
                 let mut dropped = Vec::new();
                 match &outcome {
@@ -845,7 +845,7 @@ impl ManagerCore {
         let addrs = addresses(&keys.objs);
         let (dropped, raised) = self.policy_call(py, None, &keys.objs, None, |m, _| {
             let hints = m.memo.hints(&addrs);
-            let freed = m.complete_store_hinted(&slices, &hints, success);
+            let freed = m.complete_store_hinted(slices, &hints, success);
             m.take_keys(&freed)
         })?;
         drop(dropped);
