@@ -750,9 +750,11 @@ impl Slots {
             }
         }
         let len = len.min(INLINE_KEY);
+        // Every word, whatever the length (those past the key's end hold zeros): a fixed trip
+        // count that compiles to straight-line loads and stores.
         let mut bytes = [0u8; INLINE_KEY];
-        for (i, w) in slot.words.iter().enumerate().take(len.div_ceil(8)) {
-            bytes[i * 8..i * 8 + 8].copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+        for (dst, w) in bytes.chunks_exact_mut(8).zip(&slot.words) {
+            dst.copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
         }
         // `KeyBuf`'s inline buffer is exactly `INLINE_KEY` bytes: no copy beyond this one.
         KeyBuf::from_buf_and_len(bytes, len)
