@@ -8,10 +8,13 @@ takes a request rank from the same counter as fresh ranks.
 from __future__ import annotations
 
 import enum
+import types
 
 import numpy as np
 import pytest
 
+import kvoffload
+import kvoffload.types
 from _helpers import (
     ALLOC,
     HIT,
@@ -633,3 +636,26 @@ def test_positions_of_any_int_type_read_alike(make_manager: MakeManager) -> None
         m.on_request_finished(ctx)
         states.append(lru_state(m))
     assert states[0] == states[1] == states[2]
+
+
+def test_result_classes_with_their_own_new_are_built_through_it() -> None:
+    # The native manager makes bare result instances by object's own allocation when a class
+    # keeps object.__new__; a class with a __new__ of its own must still have it called.
+    made: list[type] = []
+
+    class Output(kvoffload.types.PrepareStoreOutput):
+        def __new__(cls, *args: object, **kwargs: object) -> Output:
+            made.append(cls)
+            return super().__new__(cls)
+
+    namespace = types.SimpleNamespace(
+        **{name: getattr(kvoffload.types, name) for name in dir(kvoffload.types)}
+    )
+    namespace.PrepareStoreOutput = Output
+    cls = type("OwnNewManager", (kvoffload.CPUOffloadingManager,), {"_types": namespace})
+    m = cls(4)
+    out = m.prepare_store(ks(1, 2), ReqContext(req_id=""))
+    assert type(out) is Output
+    assert made == [Output]
+    assert (out.keys_to_store, out.evicted_keys, chunk_ids(out)) == (ks(1, 2), [], [0, 1])
+    assert type(out.store_spec) is kvoffload.types.CPULoadStoreSpec

@@ -266,14 +266,33 @@ fn plain_position<'py>(
 pub(crate) struct Blank {
     cls: Py<PyType>,
     new: Py<PyAny>,
+    /// `object`'s `tp_new`, when the class keeps it (no `__new__` of its own): then
+    /// `cls.__new__(cls)` is exactly `tp_new(cls, (), NULL)`, without the method wrapper's
+    /// argument tuple and checks.
+    object_new: Option<pyo3::ffi::newfunc>,
+    /// An empty tuple, the arguments passed to `object_new`.
+    no_args: Py<PyTuple>,
 }
 
 impl Blank {
     fn of(cls: Bound<'_, PyType>) -> PyResult<Self> {
-        let new = cls.getattr(pyo3::intern!(cls.py(), "__new__"))?.unbind();
+        use pyo3::ffi;
+        let py = cls.py();
+        let new = cls.getattr(pyo3::intern!(py, "__new__"))?.unbind();
+        // SAFETY: the class and `object` are live type objects, and `PyType_GetSlot` reads
+        // any type's slots (3.10+) without failing on a slot that exists; a non-null `tp_new`
+        // slot is a `newfunc` (the slot's documented type).
+        let object_new = unsafe {
+            let object = std::ptr::addr_of_mut!(ffi::PyBaseObject_Type);
+            let slot = ffi::PyType_GetSlot(cls.as_type_ptr(), ffi::Py_tp_new);
+            (!slot.is_null() && slot == ffi::PyType_GetSlot(object, ffi::Py_tp_new))
+                .then(|| std::mem::transmute::<*mut std::ffi::c_void, ffi::newfunc>(slot))
+        };
         Ok(Self {
             cls: cls.unbind(),
             new,
+            object_new,
+            no_args: PyTuple::empty(py).unbind(),
         })
     }
 
@@ -285,7 +304,20 @@ impl Blank {
         py: Python<'py>,
         attrs: &[(&Bound<'py, pyo3::types::PyString>, Bound<'py, PyAny>)],
     ) -> PyResult<Bound<'py, PyAny>> {
-        let obj = self.new.bind(py).call1((self.cls.bind(py),))?;
+        let obj = match self.object_new {
+            // SAFETY: `object`'s `tp_new`, which the class has as its own (see `of`), called
+            // as calling the class calls it: with the class, an args tuple and no keywords. It
+            // returns a new reference, or null with an exception set.
+            Some(tp_new) => unsafe {
+                let made = tp_new(
+                    self.cls.bind(py).as_type_ptr(),
+                    self.no_args.as_ptr(),
+                    std::ptr::null_mut(),
+                );
+                Bound::from_owned_ptr_or_err(py, made)?
+            },
+            None => self.new.bind(py).call1((self.cls.bind(py),))?,
+        };
         for (name, value) in attrs {
             obj.setattr(*name, value)?;
         }
