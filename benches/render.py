@@ -32,7 +32,9 @@ CALLGRIND = [
     "and two buffer calls per key were 90 instructions a key, now about 65); positions that are "
     "absent, `None` or plain ints are read from the context's dict without a new reference; "
     "result objects of classes that keep `object.__new__` are made by calling that slot "
-    "directly; in the core, a slot's key is copied in straight-line code.",
+    "directly; in the core, a slot's key is copied in straight-line code, and ARC pushes an "
+    "evicted key onto its ghost list straight from the slot's inline buffer (one fixed-size "
+    "copy, no intermediate `KeyBuf`).",
     "",
     "Core only, `rust/kvoffload-core/examples/callgrind_ops.rs` (32-key batches, a full cache of "
     "1,000 chunks, 1,000 batches; see its header for the command; it calls the core's plain "
@@ -40,7 +42,7 @@ CALLGRIND = [
     "",
     "| op (per key) | LRU | ARC |",
     "|---|---:|---:|",
-    "| store with eviction (prepare + complete) | 1,909 (1,922) | 2,517 (2,543) |",
+    "| store with eviction (prepare + complete) | 1,907 (1,922) | 2,432 (2,543) |",
     "| load (prepare + complete) | 1,366 (1,366) | 1,140 (1,140) |",
     "| on_request_finished | 467 (467) | 507 (507) |",
     "| touch | 501 (501) | 572 (572) |",
@@ -51,14 +53,14 @@ CALLGRIND = [
     "",
     "| op (per key) | LRU | ARC |",
     "|---|---:|---:|",
-    "| store with eviction (prepare_store + complete_store) | 2,273 (2,388) | 2,931 (3,063) |",
+    "| store with eviction (prepare_store + complete_store) | 2,271 (2,388) | 2,841 (3,063) |",
     "| load (prepare_load + complete_load) | 1,268 (1,368) | 1,303 (1,403) |",
     "| lookup_prefix of 32 | 321 (364) | 322 (363) |",
     "| one lookup (per call) | 355 (357) | 355 (355) |",
     "",
     "The whole scheduler-trace replay through Python (600 requests of `kvoffload.workload`, "
     "8,192 chunks, kvoffload's types; every native call's instructions): LRU 302.4 M (b4b4b98) "
-    "-> 296.6 M (-1.9%), ARC 290.3 M -> 284.9 M (-1.9%); about 8% of it is CPython's own dict "
+    "-> 296.8 M (-1.9%), ARC 290.3 M -> 283.4 M (-2.4%); about 8% of it is CPython's own dict "
     "lookup of token positions (some 170,000 reads of ~117 instructions inside "
     "`PyDict_GetItemWithError`). Earlier sessions had taken the replay from 406.4 M and 382.5 M "
     "(fourth session's final commit), 340.4 M and 311.1 M (sixth) and 316.2 M and 298.7 M "

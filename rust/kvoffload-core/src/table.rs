@@ -742,22 +742,33 @@ impl Slots {
     /// A copy of slot `c`'s key (meaningful while resident).
     #[must_use]
     pub fn key(&self, c: ChunkId) -> KeyBuf {
-        let slot = self.slot(c);
-        let len = slot.len.load(Ordering::Relaxed) as usize;
-        if len > INLINE_KEY {
-            if let Some(k) = self.long.get(&c) {
-                return KeyBuf::from_slice(k);
-            }
+        match self.inline_key(c) {
+            // `KeyBuf`'s inline buffer is exactly `INLINE_KEY` bytes: no copy beyond this one.
+            Some((bytes, len)) => KeyBuf::from_buf_and_len(bytes, len),
+            None => self.long.get(&c).map_or_else(
+                || KeyBuf::from_buf_and_len(self.inline_bytes(c), INLINE_KEY),
+                |k| KeyBuf::from_slice(k),
+            ),
         }
-        let len = len.min(INLINE_KEY);
-        // Every word, whatever the length (those past the key's end hold zeros): a fixed trip
-        // count that compiles to straight-line loads and stores.
+    }
+
+    /// Slot `c`'s key as its inline bytes (zero past its end) and its length, or `None` for a
+    /// key longer than [`INLINE_KEY`]: a fixed-size copy, for a caller that keeps keys in
+    /// fixed-size fields (ARC's ghosts).
+    #[must_use]
+    pub fn inline_key(&self, c: ChunkId) -> Option<([u8; INLINE_KEY], usize)> {
+        let len = self.slot(c).len.load(Ordering::Relaxed) as usize;
+        (len <= INLINE_KEY).then(|| (self.inline_bytes(c), len))
+    }
+
+    /// Every inline word of slot `c`, whatever the key's length (words past its end hold
+    /// zeros): a fixed trip count that compiles to straight-line loads and stores.
+    fn inline_bytes(&self, c: ChunkId) -> [u8; INLINE_KEY] {
         let mut bytes = [0u8; INLINE_KEY];
-        for (dst, w) in bytes.chunks_exact_mut(8).zip(&slot.words) {
+        for (dst, w) in bytes.chunks_exact_mut(8).zip(&self.slot(c).words) {
             dst.copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
         }
-        // `KeyBuf`'s inline buffer is exactly `INLINE_KEY` bytes: no copy beyond this one.
-        KeyBuf::from_buf_and_len(bytes, len)
+        bytes
     }
 
     /// Give absent slot `c` the key `key`, pending.

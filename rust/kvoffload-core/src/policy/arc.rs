@@ -111,13 +111,12 @@ impl ArcPolicy {
         let l = self.unlink(c);
         self.evictable[c as usize] = false;
         if ghost {
-            let (key, hash) = (keys.key(c), keys.hash(c));
             let list = if l == List::T1 {
                 GhostList::B1
             } else {
                 GhostList::B2
             };
-            self.ghosts.push(list, &key, hash);
+            push_ghost(&mut self.ghosts, list, keys, c);
         }
         out.push(c);
     }
@@ -447,8 +446,7 @@ impl CachePolicy for ArcPolicy {
                 GhostList::B2
             };
             self.evictable[c as usize] = false;
-            let (key, hash) = (keys.key(c), keys.hash(c));
-            self.ghosts.push(list, &key, hash);
+            push_ghost(&mut self.ghosts, list, keys, c);
         }
         for list in [GhostList::B1, GhostList::B2] {
             while self.ghosts.len(list) > self.capacity {
@@ -586,6 +584,16 @@ impl CachePolicy for ArcPolicy {
     fn set_target(&mut self, target: f64) -> bool {
         self.target = target;
         true
+    }
+}
+
+/// Push slot `c`'s key onto ghost list `list`: straight from the slot's inline buffer (one
+/// fixed-size copy) unless the key is longer.
+fn push_ghost(ghosts: &mut GhostLists, list: GhostList, keys: &Slots, c: ChunkId) {
+    let hash = keys.hash(c);
+    match keys.inline_key(c) {
+        Some((buf, len)) => ghosts.push_inline(list, &buf, len, hash),
+        None => ghosts.push(list, &keys.key(c), hash),
     }
 }
 

@@ -72,6 +72,8 @@ struct Entry {
 }
 
 const _: () = assert!(std::mem::size_of::<Entry>() == 64);
+// A slot's inline key buffer fits an entry's as it is (`push_inline`).
+const _: () = assert!(INLINE_KEY == crate::table::INLINE_KEY);
 
 /// The ends and length of one list.
 #[derive(Debug, Clone, Copy)]
@@ -179,6 +181,40 @@ impl GhostLists {
     /// never pushes one: resident keys are no ghosts); a key in the other list, which ARC never
     /// pushes either, moves to `list`, so that no key is in both.
     pub(crate) fn push(&mut self, list: GhostList, key: &[u8], hash: u64) {
+        self.push_with(list, key, hash, |g| g.allocate(key, hash));
+    }
+
+    /// [`push`](Self::push) of a key of at most [`INLINE_KEY`] bytes given as a whole inline
+    /// buffer (its first `len` bytes; the rest zero), as a slot keeps it: the entry takes the
+    /// buffer in one fixed-size copy.
+    pub(crate) fn push_inline(
+        &mut self,
+        list: GhostList,
+        buf: &[u8; INLINE_KEY],
+        len: usize,
+        hash: u64,
+    ) {
+        debug_assert!(len <= INLINE_KEY && buf[len..].iter().all(|&b| b == 0));
+        self.push_with(list, &buf[..len], hash, |g| {
+            g.place(Entry {
+                hash,
+                key: *buf,
+                len: len as u32,
+                prev: NIL,
+                next: NIL,
+                list: FREE,
+            })
+        });
+    }
+
+    /// `push`, with `allocate` making the new entry when `key` is in neither list.
+    fn push_with(
+        &mut self,
+        list: GhostList,
+        key: &[u8],
+        hash: u64,
+        allocate: impl FnOnce(&mut Self) -> u32,
+    ) {
         let live = self.lists[0].len + self.lists[1].len;
         if 2 * (live + 1) > self.index.len() {
             self.grow_index();
@@ -193,7 +229,7 @@ impl GhostLists {
                 }
             }
             Err(at) => {
-                let e = self.allocate(key, hash);
+                let e = allocate(self);
                 self.index[at] = (hash >> 32 << 32) | u64::from(e + 1);
                 self.link_back(e, list);
             }
@@ -378,7 +414,16 @@ impl GhostLists {
         };
         let inline = key.len().min(INLINE_KEY);
         x.key[..inline].copy_from_slice(&key[..inline]);
-        let e = if self.free == NIL {
+        let e = self.place(x);
+        if key.len() > INLINE_KEY {
+            self.long.insert(e, key.into());
+        }
+        e
+    }
+
+    /// Store `x` in a vacant entry (or a new one); its number.
+    fn place(&mut self, x: Entry) -> u32 {
+        if self.free == NIL {
             let e = u32::try_from(self.entries.len())
                 .ok()
                 .filter(|&e| e < NIL - 1)
@@ -390,11 +435,7 @@ impl GhostLists {
             self.free = self.entries[e as usize].next;
             self.entries[e as usize] = x;
             e
-        };
-        if key.len() > INLINE_KEY {
-            self.long.insert(e, key.into());
         }
-        e
     }
 
     /// Put unlinked entry `e` on the free list.
@@ -509,6 +550,30 @@ mod tests {
 
     fn keys_of(g: &GhostLists, list: GhostList) -> Vec<Vec<u8>> {
         g.keys(list).map(<[u8]>::to_vec).collect()
+    }
+
+    #[test]
+    fn inline_pushes_match_slice_pushes() {
+        let (mut a, mut b) = (GhostLists::new(), GhostLists::new());
+        let keys: Vec<Vec<u8>> = (0..40)
+            .map(key)
+            .chain([vec![], vec![7; INLINE_KEY]])
+            .collect();
+        for (i, k) in keys.iter().enumerate() {
+            let list = if i % 3 == 0 { B2 } else { B1 };
+            let mut buf = [0u8; INLINE_KEY];
+            buf[..k.len()].copy_from_slice(k);
+            a.push(list, k, hash_key(k));
+            b.push_inline(list, &buf, k.len(), hash_key(k));
+        }
+        b.push_inline(B1, &[0; INLINE_KEY], 0, hash_key(&[])); // present already: stays
+        for list in [B1, B2] {
+            assert_eq!(keys_of(&a, list), keys_of(&b, list));
+        }
+        for k in &keys {
+            assert_eq!(b.find(k, hash_key(k)), a.find(k, hash_key(k)));
+        }
+        b.validate(hash_key).unwrap();
     }
 
     #[test]
