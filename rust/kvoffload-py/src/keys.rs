@@ -224,8 +224,8 @@ pub(crate) fn position_value(v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
 
 /// `key`'s entry in a positions dict when it is absent, `None` or an int in the int64 range,
 /// read without taking a reference to the value or converting it through the generic path
-/// (about a third of a position read); `None` for any other value, which the caller reads the
-/// general way (and reports).
+/// (together about 30 of a read's ~180 instructions; most of the rest is the interpreter's dict
+/// lookup); `None` for any other value, which the caller reads the general way (and reports).
 fn plain_position<'py>(
     pos: &Bound<'py, PyDict>,
     key: &Bound<'py, PyAny>,
