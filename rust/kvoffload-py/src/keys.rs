@@ -6,9 +6,11 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
 
-/// The `bytes` objects of a call, kept alive while their bytes are borrowed.
+/// The `bytes` objects of a call, kept alive while their bytes are borrowed. Both fields are
+/// private: `bytes` lends out the buffers of the objects `objs` holds, so neither may change
+/// apart from the other.
 pub(crate) struct Keys<'py> {
-    pub(crate) objs: Vec<Bound<'py, PyBytes>>,
+    objs: Vec<Bound<'py, PyBytes>>,
     /// Each object's bytes, read once as the objects are collected. Never handed out longer
     /// than a borrow of `self` (see [`slices`](Self::slices)).
     bytes: Vec<&'static [u8]>,
@@ -120,8 +122,9 @@ impl<'py> Keys<'py> {
                 }
                 // The object header and the next line (a `bytes` object's data starts 32
                 // bytes in); a prefetch never dereferences its address.
-                kvoffload_core::mem::prefetch_addr(p.cast::<u8>().cast_const());
-                kvoffload_core::mem::prefetch_addr(p.cast::<u8>().cast_const().wrapping_add(64));
+                let at = p.cast::<u8>().cast_const();
+                kvoffload_core::mem::prefetch_addr(at);
+                kvoffload_core::mem::prefetch_addr(at.wrapping_add(64));
                 *slot = p;
             }
             let exact = items.iter().all(|&p| {
@@ -153,6 +156,16 @@ impl<'py> Keys<'py> {
     /// The key bytes, lined up with the objects.
     pub(crate) fn slices(&self) -> &[&[u8]] {
         &self.bytes
+    }
+
+    /// The key objects, in order.
+    pub(crate) fn objs(&self) -> &[Bound<'py, PyBytes>] {
+        &self.objs
+    }
+
+    /// The key objects, taken (their borrowed bytes go with `self`).
+    pub(crate) fn into_objs(self) -> Vec<Bound<'py, PyBytes>> {
+        self.objs
     }
 }
 

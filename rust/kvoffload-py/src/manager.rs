@@ -380,7 +380,7 @@ impl ManagerCore {
         };
         PyList::new(
             py,
-            keys.objs
+            keys.objs()
                 .iter()
                 .zip(keep)
                 .filter(|(_, k)| *k)
@@ -394,7 +394,7 @@ impl ManagerCore {
         keys: &Keys<'py>,
     ) -> PyResult<Option<Vec<Option<i64>>>> {
         if self.reads_positions {
-            ctx.positions(&keys.objs)
+            ctx.positions(keys.objs())
         } else {
             Ok(None)
         }
@@ -646,7 +646,7 @@ impl ManagerCore {
             return Ok(hits);
         }
         let (hits, _) =
-            self.policy_call(py, None, &keys.objs, None, |m, _| m.lookup_prefix(slices))?;
+            self.policy_call(py, None, keys.objs(), None, |m, _| m.lookup_prefix(slices))?;
         Ok(hits)
     }
 
@@ -666,11 +666,11 @@ impl ManagerCore {
             ctx.set_state(state.as_any())?;
         }
         let slices = keys.slices();
-        let addrs = addresses(&keys.objs);
+        let addrs = addresses(keys.objs());
         let ((chunks, mark, added), raised) = self.policy_call(
             py,
             Some(ctx.object()),
-            &keys.objs,
+            keys.objs(),
             Some(state.get()),
             |m, s| {
                 let s = s.expect("state given");
@@ -686,7 +686,7 @@ impl ManagerCore {
             },
         )?;
         let chunks = settle(py, chunks, raised)?;
-        state.get().keep_objects(mark, &added, &keys.objs);
+        state.get().keep_objects(mark, &added, keys.objs());
         spec(py, self.types(py)?, &chunks)
     }
 
@@ -701,7 +701,7 @@ impl ManagerCore {
         let _ = req_context;
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
-        let addrs = addresses(&keys.objs);
+        let addrs = addresses(keys.objs());
         // With a built-in policy: the lock if free, else a lock-free release that the next
         // locked call applies. A Python policy sees ref counts mirrored at once, so its
         // manager releases under the lock.
@@ -716,7 +716,7 @@ impl ManagerCore {
                 return Ok(());
             }
         }
-        let (done, raised) = self.policy_call(py, None, &keys.objs, None, |m, _| {
+        let (done, raised) = self.policy_call(py, None, keys.objs(), None, |m, _| {
             let hints = m.memo.hints(&addrs);
             m.complete_load_hinted(slices, &hints)
         })?;
@@ -734,7 +734,7 @@ impl ManagerCore {
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
         let ((), raised) =
-            self.policy_call(py, req_context, &keys.objs, None, |m, _| m.touch(slices))?;
+            self.policy_call(py, req_context, keys.objs(), None, |m, _| m.touch(slices))?;
         settle(py, Ok(()), raised)
     }
 
@@ -760,14 +760,17 @@ impl ManagerCore {
             ctx.set_state(state.as_any())?;
         }
         let slices = keys.slices();
-        let addrs = addresses(&keys.objs);
+        let addrs = addresses(keys.objs());
         // Owned references, moved into the table by the core call (which may run detached).
-        let mut owned: Vec<Option<Py<PyBytes>>> =
-            keys.objs.iter().map(|k| Some(k.clone().unbind())).collect();
+        let mut owned: Vec<Option<Py<PyBytes>>> = keys
+            .objs()
+            .iter()
+            .map(|k| Some(k.clone().unbind()))
+            .collect();
         let ((outcome, evicted_objs, dropped, mark, added), raised) = self.policy_call(
             py,
             Some(ctx.object()),
-            &keys.objs,
+            keys.objs(),
             Some(state.get()),
             |m, s| {
                 if let Some(now) = now {
@@ -799,9 +802,9 @@ impl ManagerCore {
         )?;
         drop((dropped, owned));
         let outcome = settle(py, outcome, raised)?;
-        state.get().keep_objects(mark, &added, &keys.objs);
+        state.get().keep_objects(mark, &added, keys.objs());
         let Some(out) = outcome else { return Ok(None) };
-        let to_store = PyList::new(py, out.to_store.iter().map(|&i| &keys.objs[i]))?;
+        let to_store = PyList::new(py, out.to_store.iter().map(|&i| &keys.objs()[i]))?;
         // The stored objects of the victims; a fresh `bytes` only if one is missing.
         // The objects move into the list (no reference count traffic).
         let evicted = PyList::new(
@@ -842,8 +845,8 @@ impl ManagerCore {
         let Truthy(success) = success;
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
-        let addrs = addresses(&keys.objs);
-        let (dropped, raised) = self.policy_call(py, None, &keys.objs, None, |m, _| {
+        let addrs = addresses(keys.objs());
+        let (dropped, raised) = self.policy_call(py, None, keys.objs(), None, |m, _| {
             let hints = m.memo.hints(&addrs);
             let freed = m.complete_store_hinted(slices, &hints, success);
             m.take_keys(&freed)

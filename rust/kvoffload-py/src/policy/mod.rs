@@ -299,7 +299,7 @@ impl PolicyCore {
         let keys = Keys::extract(keys)?;
         let ctx = Context::new(req_context)?;
         let positions = keys
-            .objs
+            .objs()
             .iter()
             .map(|k| ctx.position(k.as_any()))
             .collect::<PyResult<Vec<_>>>()?;
@@ -332,7 +332,7 @@ impl PolicyCore {
     ) -> PyResult<()> {
         let mut objs: Vec<Bound<'_, PyBytes>> = Vec::new();
         for group in key_groups.try_iter()? {
-            objs.extend(Keys::extract(&group?)?.objs);
+            objs.extend(Keys::extract(&group?)?.into_objs());
         }
         let ctx = Context::new(req_context)?;
         let mut positions = Vec::with_capacity(objs.len());
