@@ -73,9 +73,14 @@ impl LruPolicy {
         }
     }
 
+    /// Give `chunk` a fresh rank, above every other: straight to the order's tail when it is in
+    /// the order (as [`set_rank`](Self::set_rank) would put it, in fewer steps).
     fn refresh(&mut self, chunk: ChunkId) {
         let rank = self.fresh_rank();
-        self.set_rank(chunk, rank);
+        if !self.order.move_to_tail(chunk, rank) {
+            // Detached by a scan (pinned or pending): `mark_evictable` inserts it.
+            self.order.set_key(chunk, rank);
+        }
     }
 }
 

@@ -370,6 +370,62 @@ impl<K: OrderKey> EvictionOrder<K> {
         self.hold(c);
     }
 
+    /// Give `c` the key `k`, which must sort above every key in the order (a fresh rank), and
+    /// put it at the list's tail: a member stays a member, a held entry stays held. Returns
+    /// `false`, changing nothing, when `c` is neither. The same as [`remove`](Self::remove)
+    /// then [`insert`](Self::insert) (and [`hold`](Self::hold) for a held entry), with the
+    /// list's tail known to be the spot: the move that recency policies make most.
+    pub(crate) fn move_to_tail(&mut self, c: ChunkId, k: K) -> bool {
+        let i = c as usize;
+        let Some(&place) = self.place.get(i) else {
+            return false;
+        };
+        let held = match place {
+            Place::Out => return false,
+            Place::List | Place::ListHeld => {
+                let held = place == Place::ListHeld;
+                if self.tail == c {
+                    // Already last: only the key changes.
+                    self.nodes[i].key = k;
+                    self.finger = c;
+                    return true;
+                }
+                let (before, after) = self.splice_out(c);
+                if before == NIL {
+                    self.head = after;
+                }
+                // `c` is not the tail, so `after` is not NIL and the tail stays.
+                held
+            }
+            Place::Tree | Place::TreeHeld => {
+                self.tree.remove(&(self.nodes[i].key, c));
+                place == Place::TreeHeld
+            }
+            Place::Run | Place::RunHeld => {
+                if let Some(g) = self.nodes[i].key.group() {
+                    self.leave_run(c, g);
+                }
+                place == Place::RunHeld
+            }
+        };
+        debug_assert!(self.tail == NIL || (self.nodes[self.tail as usize].key, self.tail) < (k, c));
+        let tail = self.tail;
+        self.nodes[i] = Node {
+            key: k,
+            next: NIL,
+            prev: tail,
+        };
+        if tail == NIL {
+            self.head = c;
+        } else {
+            self.nodes[tail as usize].next = c;
+        }
+        self.tail = c;
+        self.finger = c;
+        self.place[i] = if held { Place::ListHeld } else { Place::List };
+        true
+    }
+
     /// Make `c` a member again with sort key `k`: in O(1) if it is still held at `k`.
     pub(crate) fn release(&mut self, c: ChunkId, k: K) {
         let i = c as usize;
@@ -751,6 +807,128 @@ mod tests {
             vec![(20, 1), (30, 0), (40, 2)]
         );
         o.validate().unwrap();
+    }
+
+    #[test]
+    fn move_to_tail_of_the_last_entry_changes_its_key_alone() {
+        let mut o: EvictionOrder<(u64, i64)> = EvictionOrder::new();
+        o.grow(3);
+        o.insert(0, (1, 0));
+        o.insert(1, (2, 0));
+        assert!(o.move_to_tail(1, (3, 0)));
+        assert!(
+            !o.move_to_tail(2, (4, 0)),
+            "not in the order: nothing changes"
+        );
+        assert_eq!(o.last_key(2), (0, 0));
+        o.hold(0);
+        assert!(o.move_to_tail(0, (5, 0)));
+        assert_eq!((o.len(), o.held_key_of(0)), (1, Some((5, 0))));
+        o.validate().unwrap();
+        let mut held = Vec::new();
+        assert_eq!(o.iter(&mut held).collect::<Vec<_>>(), vec![((3, 0), 1)]);
+        assert_eq!(held, vec![0]);
+    }
+
+    /// One step of [`move_to_tail_is_remove_then_insert`]: on chunk `c` (of 8), with a
+    /// request rank (`group`) and a position for the keys that need them.
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Insert at a fresh rank, or at `(group, -pos)` when `pos` is given.
+        Insert(ChunkId, Option<(u64, i64)>),
+        Hold(ChunkId),
+        Release(ChunkId),
+        Remove(ChunkId),
+        /// Detach every held entry, as an eviction scan does.
+        Scan,
+        /// A fresh rank, to the tail.
+        Refresh(ChunkId),
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        let c = 0u32..8;
+        prop_oneof![
+            (c.clone(), proptest::option::of((0u64..3, 0i64..6)))
+                .prop_map(|(c, r)| Op::Insert(c, r)),
+            c.clone().prop_map(Op::Hold),
+            c.clone().prop_map(Op::Release),
+            c.clone().prop_map(Op::Remove),
+            Just(Op::Scan),
+            c.prop_map(Op::Refresh),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 512, failure_persistence: None, ..Default::default()
+        })]
+
+        /// `move_to_tail` leaves the order exactly as the general steps would (same members,
+        /// held entries, keys, iteration order and counts), whatever state the entry is in.
+        #[test]
+        fn move_to_tail_is_remove_then_insert(ops in proptest::collection::vec(op(), 1..80)) {
+            let mut fast: EvictionOrder<(u64, i64)> = EvictionOrder::new();
+            let mut slow: EvictionOrder<(u64, i64)> = EvictionOrder::new();
+            fast.grow(8);
+            slow.grow(8);
+            // Fresh ranks start above every request rank a test uses.
+            let mut next = 10u64;
+            for op in ops {
+                for o in [&mut fast, &mut slow] {
+                    match op {
+                        Op::Insert(c, r) if o.place[c as usize] == Place::Out => {
+                            let k = r.map_or((next, 0), |(g, p)| (g, -p));
+                            o.insert(c, k);
+                        }
+                        Op::Hold(c) if o.contains(c) => o.hold(c),
+                        Op::Release(c) => {
+                            if let Some(k) = o.held_key_of(c) {
+                                o.release(c, k);
+                            }
+                        }
+                        Op::Remove(c) => o.remove(c),
+                        Op::Scan => {
+                            let mut held = Vec::new();
+                            o.iter(&mut held).for_each(drop);
+                            for c in held {
+                                o.remove(c);
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                if let Op::Insert(_, None) = op {
+                    next += 1;
+                }
+                if let Op::Refresh(c) = op {
+                    let k = (next, 0);
+                    next += 1;
+                    let moved = fast.move_to_tail(c, k);
+                    if slow.contains(c) {
+                        slow.remove(c);
+                        slow.insert(c, k);
+                    } else if slow.held_key_of(c).is_some() {
+                        slow.remove(c);
+                        slow.insert_held(c, k);
+                    } else {
+                        proptest::prop_assert!(!moved);
+                    }
+                }
+                fast.validate().unwrap();
+                slow.validate().unwrap();
+                let (mut hf, mut hs) = (Vec::new(), Vec::new());
+                let af: Vec<_> = fast.iter(&mut hf).collect();
+                let as_: Vec<_> = slow.iter(&mut hs).collect();
+                proptest::prop_assert_eq!(af, as_);
+                proptest::prop_assert_eq!(hf, hs);
+                proptest::prop_assert_eq!(fast.len(), slow.len());
+                for c in 0..8 {
+                    proptest::prop_assert_eq!(fast.held_key_of(c), slow.held_key_of(c));
+                    proptest::prop_assert_eq!(fast.key_of(c), slow.key_of(c));
+                }
+            }
+        }
     }
 
     #[test]
