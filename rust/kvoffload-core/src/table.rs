@@ -1273,6 +1273,35 @@ mod tests {
     }
 
     #[test]
+    fn a_key_differing_in_any_one_byte_is_another_key() {
+        let mut t = table(48);
+        let keys: Vec<Vec<u8>> = (1..=48u8)
+            .map(|n| (0..n).map(|i| i.wrapping_mul(7).wrapping_add(n)).collect())
+            .collect();
+        for (c, k) in keys.iter().enumerate() {
+            put(&mut t, c as ChunkId, k);
+        }
+        for (c, k) in keys.iter().enumerate() {
+            let c = c as ChunkId;
+            assert!(t.holds_at(c, k));
+            for at in 0..k.len() {
+                for bit in [0x01u8, 0x80] {
+                    let mut other = k.clone();
+                    other[at] ^= bit;
+                    assert!(!t.holds_at(c, &other), "len {} byte {at}", k.len());
+                    // Found under the slot's own hash too: the bytes decide.
+                    assert_eq!(t.find(&other, hash_key(k)), None);
+                }
+            }
+            // One byte shorter or longer (the same leading bytes) is another key too.
+            assert!(!t.holds_at(c, &k[..k.len() - 1]));
+            let mut longer = k.clone();
+            longer.push(0);
+            assert!(!t.holds_at(c, &longer));
+        }
+    }
+
+    #[test]
     fn releases_apply_on_drain_in_release_order() {
         let mut t = table(3);
         for c in 0..3 {

@@ -93,13 +93,16 @@ impl CachePolicy for LruPolicy {
     }
 
     fn insert(&mut self, chunk: ChunkId, key: Access<'_>, rank: &mut RequestRank) {
-        let r = match key.position {
-            Some(p) => (self.request_rank(rank), -p),
-            None => self.fresh_rank(),
-        };
         self.resident[chunk as usize] = true;
         // Pending: held at its rank (a batch's chunks side by side), released there in O(1).
-        self.order.insert_held(chunk, r);
+        if let Some(p) = key.position {
+            let r = (self.request_rank(rank), -p);
+            self.order.insert_held(chunk, r);
+        } else {
+            // A fresh rank sorts last: straight to the tail.
+            let r = self.fresh_rank();
+            self.order.push_last(chunk, r, true);
+        }
     }
 
     fn remove(&mut self, chunk: ChunkId) {
