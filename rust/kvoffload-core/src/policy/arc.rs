@@ -232,23 +232,31 @@ impl ArcPolicy {
 
     /// Put `chunk` at the newest end of list `l`.
     fn push_newest(&mut self, chunk: ChunkId, l: List) {
-        self.unlink(chunk);
         self.next_seq += 1;
         let seq = self.next_seq;
         let i = chunk as usize;
+        if l != List::None && self.list[i] == l {
+            // Within its list: to the tail as it is (a member stays one, a held entry stays
+            // held); the list's count is unchanged.
+            let held = !self.evictable[i];
+            let order = self.order_of_mut(l);
+            if !order.move_to_tail(chunk, seq) {
+                order.push_last(chunk, seq, held);
+            }
+            return;
+        }
+        self.unlink(chunk);
         self.list[i] = l;
         match l {
             List::T1 => self.t1_len += 1,
             List::T2 => self.t2_len += 1,
             List::None => return,
         }
-        if self.evictable[i] {
-            self.order_of_mut(l).insert(chunk, seq);
-        } else {
-            // Pending or pinned: held at the newest end, so `mark_evictable` releases it in
-            // place (O(1)) rather than inserting it below newer entries, into the tree.
-            self.order_of_mut(l).insert_held(chunk, seq);
-        }
+        // The newest sequence number sorts last: straight to the tail. Pending or pinned: held
+        // there, so `mark_evictable` releases it in place (O(1)) rather than inserting it below
+        // newer entries, into the tree.
+        let held = !self.evictable[i];
+        self.order_of_mut(l).push_last(chunk, seq, held);
     }
 
     /// Adapt the target to a ghost hit on `key`; `false` when the key is no ghost.
