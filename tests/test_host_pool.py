@@ -148,6 +148,18 @@ def test_view_errors() -> None:
             pool.chunk(-1)
 
 
+@pytest.mark.parametrize("dtype", ["a", b"a", "a4"])
+def test_dtypes_numpy_deprecates_are_refused_without_a_warning(dtype: Any) -> None:
+    """Found by hypothesis on CPython 3.13t: ``b"a"`` got to numpy, whose DeprecationWarning
+    (an exception under warnings-as-errors) came from outside kvoffload's tree."""
+    with HostPool(4, 96, register_cuda=False) as pool:
+        with pytest.raises(InvalidArgumentError, match="not a numpy dtype"):
+            pool.chunk(1, dtype=dtype)
+        with pytest.raises(InvalidArgumentError, match="not a numpy dtype"):
+            pool.typed_view(dtype, (4,))
+        assert pool.chunk(1, dtype="S1").dtype == np.dtype("S1")
+
+
 def test_dropping_the_pool_keeps_a_live_view_valid() -> None:
     pool = HostPool(64, 4096, register_cuda=False)
     view = pool.typed_view(np.uint32, (1024,))

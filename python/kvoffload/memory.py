@@ -14,6 +14,7 @@ import math
 import operator
 import os
 import sys
+import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -89,9 +90,17 @@ def _count(name: str, value: object, minimum: int, maximum: int = sys.maxsize) -
 
 
 def _dtype(dtype: object) -> np.dtype[Any]:
+    """``dtype`` as a numpy dtype.
+
+    A spelling numpy deprecates (``"a"`` for ``"S"``, say) is refused with numpy's own advice
+    rather than passed on with a warning, which a program running with warnings as errors would
+    get as an exception from outside kvoffload.
+    """
     try:
-        return np.dtype(dtype)  # type: ignore[call-overload,no-any-return]
-    except (TypeError, ValueError) as e:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            return np.dtype(dtype)  # type: ignore[call-overload,no-any-return]
+    except (TypeError, ValueError, DeprecationWarning) as e:
         raise InvalidArgumentError(f"not a numpy dtype: {dtype!r} ({e})") from e
 
 
