@@ -235,14 +235,9 @@ impl ArcPolicy {
         self.next_seq += 1;
         let seq = self.next_seq;
         let i = chunk as usize;
-        if l != List::None && self.list[i] == l {
+        if l != List::None && self.list[i] == l && self.order_of_mut(l).move_to_tail(chunk, seq) {
             // Within its list: to the tail as it is (a member stays one, a held entry stays
             // held); the list's count is unchanged.
-            let held = !self.evictable[i];
-            let order = self.order_of_mut(l);
-            if !order.move_to_tail(chunk, seq) {
-                order.push_last(chunk, seq, held);
-            }
             return;
         }
         self.unlink(chunk);

@@ -374,7 +374,8 @@ impl<K: OrderKey> EvictionOrder<K> {
     /// put it at the list's tail: a member stays a member, a held entry stays held. Returns
     /// `false`, changing nothing, when `c` is neither. The same as [`remove`](Self::remove)
     /// then [`insert`](Self::insert) (and [`hold`](Self::hold) for a held entry), with the
-    /// list's tail known to be the spot: the move that recency policies make most.
+    /// list's tail known to be the spot: the move that recency policies make most. Its
+    /// unlinking repeats `remove`'s on purpose: sharing one routine cost ~25 instructions a move.
     pub(crate) fn move_to_tail(&mut self, c: ChunkId, k: K) -> bool {
         let i = c as usize;
         let Some(&place) = self.place.get(i) else {
