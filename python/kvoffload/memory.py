@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 import operator
 import os
+import re
 import sys
-import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -89,18 +89,24 @@ def _count(name: str, value: object, minimum: int, maximum: int = sys.maxsize) -
     return n
 
 
+#: numpy's deprecated ``"a"`` alias of ``"S"`` (byte strings), with an optional byte order and size.
+_DEPRECATED_DTYPE = re.compile(r"[<>=|]?a\d*")
+
+
 def _dtype(dtype: object) -> np.dtype[Any]:
     """``dtype`` as a numpy dtype.
 
-    A spelling numpy deprecates (``"a"`` for ``"S"``, say) is refused with numpy's own advice
-    rather than passed on with a warning, which a program running with warnings as errors would
-    get as an exception from outside kvoffload.
+    A spelling numpy deprecates (``"a"`` for ``"S"``) is refused rather than passed on with
+    numpy's warning, which a program running with warnings as errors would get as an exception
+    from outside kvoffload. It is screened here, not by changing the warning filters, which are
+    process-wide and would race with other threads.
     """
+    spec = dtype.decode("ascii", "replace") if isinstance(dtype, bytes) else dtype
+    if isinstance(spec, str) and _DEPRECATED_DTYPE.fullmatch(spec.strip()):
+        raise InvalidArgumentError(f"not a numpy dtype: {dtype!r} (numpy deprecates 'a': use 'S')")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", DeprecationWarning)
-            return np.dtype(dtype)  # type: ignore[call-overload,no-any-return]
-    except (TypeError, ValueError, DeprecationWarning) as e:
+        return np.dtype(dtype)  # type: ignore[call-overload,no-any-return]
+    except (TypeError, ValueError) as e:
         raise InvalidArgumentError(f"not a numpy dtype: {dtype!r} ({e})") from e
 
 
