@@ -121,8 +121,9 @@ def render(d: dict[str, Any], docs: Path) -> str:
         "are the minimum of several runs (timeit-style, cyclic GC paused) unless said otherwise. "
         "In the FFI tables the implementations' runs of each operation are interleaved, and in "
         "the replay against vLLM the managers take turns (one replay each per round), so each "
-        "ratio compares minimums taken over the same stretch of time; the scaling and bench "
-        "tables run one implementation after another. The VM is shared and noisy: the "
+        "ratio compares minimums taken over the same stretch of time; so do the sizes of the "
+        "pool-size table (timed in interleaved rounds); the other scaling tables and the bench "
+        "table run one implementation after another. The VM is shared and noisy: the "
         "same ratio moves by up to about ±50% between runs at 10^5 chunks and more, and absolute "
         "times by more (a slow phase of the host raises every figure), so read ratios, not "
         "absolute times.",
@@ -359,6 +360,10 @@ def _scaling(sc: dict[str, Any], docs: Path, targets: list[list[str]]) -> list[s
                 if skipped
                 else ""
             )
+            + "Every pool of a policy is filled first, then all are timed in "
+            + f"{sc['sizes'].get('rounds', 1)} rounds, sizes in an order that rotates each round; "
+            + "each figure is the minimum over the rounds, so a row's sizes are timed over the "
+            + "same stretch of time. "
             + "The last column is the cost at the largest size over the smallest.",
             "",
         ]
