@@ -530,9 +530,26 @@ impl Manager {
 
     /// Forward a touch to the policy (absent keys included: ARC learns from ghosts).
     pub fn touch(&mut self, keys: &[&[u8]]) {
+        self.touch_hinted(keys, &[]);
+    }
+
+    /// [`touch`](Self::touch) given a guess of each key's chunk (`hints[i]` for `keys[i]`;
+    /// empty: none), as [`complete_load_hinted`](Self::complete_load_hinted) takes them: a key
+    /// found at its guess is neither hashed nor looked up (its hash is the slot's).
+    pub fn touch_hinted(&mut self, keys: &[&[u8]], hints: &[Option<ChunkId>]) {
         self.apply_releases();
-        let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
-        let found = self.resolve(keys, &hashes);
+        let (found, hashes) = if hints.len() == keys.len() {
+            let found = self.resolve_hinted(keys, hints);
+            let hashes: Scratch<u64> = keys
+                .iter()
+                .zip(&found)
+                .map(|(k, c)| c.map_or_else(|| hash_key(k), |c| self.slots.hash(c)))
+                .collect();
+            (found, hashes)
+        } else {
+            let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
+            (self.resolve(keys, &hashes), hashes)
+        };
         let access: Scratch<Access<'_>> = keys
             .iter()
             .zip(&hashes)

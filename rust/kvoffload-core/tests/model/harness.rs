@@ -484,7 +484,8 @@ impl Harness {
             }
             Op::Touch(picks) => {
                 let keys: Vec<Key> = picks.iter().map(|&i| self.key(i)).collect();
-                self.mgr.touch(&refs(&keys));
+                let hints = hints(&self.mgr, &keys, picks.len());
+                self.mgr.touch_hinted(&refs(&keys), &hints);
                 self.model.touch(&keys);
             }
             Op::Store {
