@@ -1333,10 +1333,29 @@ fn multiplicities(chunks: &[ChunkId]) -> Scratch<(ChunkId, u32)> {
 /// the whole list re-sorted (stably) by position.
 fn head_to_tail(req: &RequestState, positions: &[Option<i64>]) -> Vec<usize> {
     let groups: Vec<u32> = req.seen.iter().map(|s| group_of(&s.key)).collect();
-    let mut order: Vec<usize> = (0..req.seen.len()).collect();
-    order.sort_by_key(|&i| groups[i]);
+    order_head_to_tail(&groups, positions)
+}
+
+/// [`head_to_tail`] of keys in KV groups `groups` (first-seen order) at `positions`. The sorts
+/// are stable, so a list already in order is left as it is: each is skipped when a scan finds
+/// nothing to move (a request's keys usually arrive head first, in one group).
+fn order_head_to_tail(groups: &[u32], positions: &[Option<i64>]) -> Vec<usize> {
+    let n = groups.len();
+    let mut order: Vec<usize> = (0..n).collect();
+    if positions.iter().all(Option::is_some) {
+        // By position, ties by group, then first seen: what sorting each group by position and
+        // then the whole list (stably) by position gives.
+        let key = |i: usize| (positions[i], groups[i]);
+        if !(1..n).all(|i| key(i - 1) <= key(i)) {
+            order.sort_by_key(|&i| key(i));
+        }
+        return order;
+    }
+    if !groups.is_sorted() {
+        order.sort_by_key(|&i| groups[i]);
+    }
     let mut start = 0;
-    while start < order.len() {
+    while start < n {
         let g = groups[order[start]];
         let end = start
             + order[start..]
@@ -1344,13 +1363,10 @@ fn head_to_tail(req: &RequestState, positions: &[Option<i64>]) -> Vec<usize> {
                 .take_while(|&&i| groups[i] == g)
                 .count();
         let run = &mut order[start..end];
-        if run.iter().all(|&i| positions[i].is_some()) {
+        if run.iter().all(|&i| positions[i].is_some()) && !run.is_sorted_by_key(|&i| positions[i]) {
             run.sort_by_key(|&i| positions[i]);
         }
         start = end;
-    }
-    if positions.iter().all(Option::is_some) {
-        order.sort_by_key(|&i| positions[i]);
     }
     order
 }
@@ -1413,6 +1429,52 @@ impl Manager {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// The head-to-tail order as SPEC.md states it, step by step: by group, each group by
+    /// position when all its keys have one, then all by position when every key has one.
+    fn head_to_tail_by_the_rules(groups: &[u32], positions: &[Option<i64>]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..groups.len()).collect();
+        order.sort_by_key(|&i| groups[i]);
+        for g in groups
+            .iter()
+            .copied()
+            .collect::<std::collections::BTreeSet<u32>>()
+        {
+            let members: Vec<usize> = order.iter().copied().filter(|&i| groups[i] == g).collect();
+            if members.iter().all(|&i| positions[i].is_some()) {
+                let at = order.iter().position(|&i| groups[i] == g).unwrap_or(0);
+                let mut run = members;
+                run.sort_by_key(|&i| positions[i]);
+                order.splice(at..at + run.len(), run);
+            }
+        }
+        if positions.iter().all(Option::is_some) {
+            order.sort_by_key(|&i| positions[i]);
+        }
+        order
+    }
+
+    proptest! {
+        /// The order with its sorts skipped when there is nothing to move equals the rules'
+        /// (few groups and positions, so ties and sorted runs are common).
+        #[test]
+        fn head_to_tail_follows_the_rules(
+            keys in proptest::collection::vec((0u32..3, proptest::option::weighted(0.9, -3i64..4)), 0..24),
+            sorted in any::<bool>(),
+        ) {
+            let mut keys = keys;
+            if sorted {
+                keys.sort_by_key(|&(g, p)| (g, p));
+            }
+            let groups: Vec<u32> = keys.iter().map(|k| k.0).collect();
+            let positions: Vec<Option<i64>> = keys.iter().map(|k| k.1).collect();
+            prop_assert_eq!(
+                order_head_to_tail(&groups, &positions),
+                head_to_tail_by_the_rules(&groups, &positions)
+            );
+        }
+    }
 
     /// The protection stamp wraps after `u32::MAX` evicting calls: the array is cleared, so a
     /// chunk stamped long ago is not taken for one protected now, and the offer's own resident
