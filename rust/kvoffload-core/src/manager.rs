@@ -359,6 +359,11 @@ impl Manager {
             .zip(hints)
             .map(|(k, h)| h.filter(|&c| self.slots.holds_at(c, k)))
             .collect();
+        if found.iter().all(Option::is_none) {
+            // No guess held (a call without a prepare before it): the plain lookup.
+            let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
+            return self.resolve(keys, &hashes);
+        }
         let rest: Scratch<usize> = (0..keys.len()).filter(|&i| found[i].is_none()).collect();
         if !rest.is_empty() {
             let rest_keys: Scratch<&[u8]> = rest.iter().map(|&i| keys[i]).collect();

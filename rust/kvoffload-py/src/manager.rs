@@ -54,10 +54,10 @@ struct Core {
     memo: ChunkMemo,
 }
 
-/// Entries of a [`ChunkMemo`] (a power of two): 128 KiB, so that the keys of a scheduler step's
+/// Entries of a [`ChunkMemo`] (a power of two): 32 KiB, so that the keys of a scheduler step's
 /// loads and stores are mostly still there when they complete or are touched (with 1,024
 /// entries, the misses cost `benches/vllm_step.py`'s replay about 1.5% of its instructions).
-const MEMO_ENTRIES: usize = 8192;
+const MEMO_ENTRIES: usize = 4096;
 
 /// A small direct-mapped table from a key object's address to the chunk the object was last
 /// stored to or loaded from. `complete_store`, `complete_load` and `touch` usually get the
@@ -65,13 +65,15 @@ const MEMO_ENTRIES: usize = 8192;
 /// the core, which checks each against its slot's key bytes (a stale or reused address costs one
 /// comparison and changes no result) instead of hashing the key and probing the index.
 struct ChunkMemo {
-    entries: Box<[(usize, core::ChunkId)]>,
+    /// `(tag, chunk)`: the tag is the address's low bits past the alignment, so two objects may
+    /// share an entry's tag; a guess is only a guess either way.
+    entries: Box<[(u32, core::ChunkId)]>,
 }
 
 impl ChunkMemo {
     fn new() -> Self {
         Self {
-            entries: vec![(0, 0); MEMO_ENTRIES].into_boxed_slice(),
+            entries: vec![(u32::MAX, 0); MEMO_ENTRIES].into_boxed_slice(),
         }
     }
 
@@ -80,9 +82,18 @@ impl ChunkMemo {
         (spread >> (64 - MEMO_ENTRIES.trailing_zeros())) as usize
     }
 
+    fn tag(addr: usize) -> u32 {
+        (addr >> 4) as u32
+    }
+
     /// The object at `addr` went to chunk `c`.
     fn put(&mut self, addr: usize, c: core::ChunkId) {
-        self.entries[Self::index(addr)] = (addr, c);
+        self.entries[Self::index(addr)] = (Self::tag(addr), c);
+    }
+
+    /// Whether the object at `addr` has a guess.
+    fn has(&self, addr: usize) -> bool {
+        self.entries[Self::index(addr)].0 == Self::tag(addr)
     }
 
     /// The guessed chunk of each object, by address.
@@ -90,8 +101,8 @@ impl ChunkMemo {
         addrs
             .iter()
             .map(|&addr| {
-                let (a, c) = self.entries[Self::index(addr)];
-                (a == addr).then_some(c)
+                let (t, c) = self.entries[Self::index(addr)];
+                (t == Self::tag(addr)).then_some(c)
             })
             .collect()
     }
@@ -737,8 +748,14 @@ impl ManagerCore {
         let slices = keys.slices();
         let addrs = addresses(keys.objs());
         let ((), raised) = self.policy_call(py, req_context, keys.objs(), None, |m, _| {
-            let hints = m.memo.hints(&addrs);
-            m.touch_hinted(slices, &hints);
+            // Guesses only when the first key has one (a touch of the keys just loaded), so
+            // that a touch of other keys pays one memo read, not one per key.
+            if addrs.first().is_some_and(|&a| m.memo.has(a)) {
+                let hints = m.memo.hints(&addrs);
+                m.touch_hinted(slices, &hints);
+            } else {
+                m.touch(slices);
+            }
         })?;
         settle(py, Ok(()), raised)
     }
