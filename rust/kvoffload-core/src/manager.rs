@@ -543,17 +543,18 @@ impl Manager {
     /// found at its guess is neither hashed nor looked up (its hash is the slot's).
     pub fn touch_hinted(&mut self, keys: &[&[u8]], hints: &[Option<ChunkId>]) {
         self.apply_releases();
-        let (found, hashes) = if hints.len() == keys.len() {
+        let hashes: Scratch<u64>;
+        let found = if hints.len() == keys.len() {
             let found = self.resolve_hinted(keys, hints);
-            let hashes: Scratch<u64> = keys
+            hashes = keys
                 .iter()
                 .zip(&found)
                 .map(|(k, c)| c.map_or_else(|| hash_key(k), |c| self.slots.hash(c)))
                 .collect();
-            (found, hashes)
+            found
         } else {
-            let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
-            (self.resolve(keys, &hashes), hashes)
+            hashes = keys.iter().map(|k| hash_key(k)).collect();
+            self.resolve(keys, &hashes)
         };
         let access: Scratch<Access<'_>> = keys
             .iter()
