@@ -327,14 +327,27 @@ impl Manager {
             for &h in hashes {
                 self.slots.prefetch_bucket(h);
             }
-            for &h in hashes {
-                if let Some(c) = self.slots.candidate(h) {
-                    self.slots.prefetch(c);
-                    if policy {
-                        self.policy.prefetch(c);
+            // Each key's candidate slot, prefetched, then compared first: its bucket is read
+            // once (a miss with no candidate is known absent at once).
+            let candidates: Scratch<Option<ChunkId>> = hashes
+                .iter()
+                .map(|&h| {
+                    let c = self.slots.candidate(h);
+                    if let Some(c) = c {
+                        self.slots.prefetch(c);
+                        if policy {
+                            self.policy.prefetch(c);
+                        }
                     }
-                }
-            }
+                    c
+                })
+                .collect();
+            return keys
+                .iter()
+                .zip(hashes)
+                .zip(&candidates)
+                .map(|((k, &h), &c)| self.slots.find_from(k, h, c))
+                .collect();
         }
         keys.iter()
             .zip(hashes)

@@ -684,6 +684,20 @@ impl Slots {
         None
     }
 
+    /// [`find`](Self::find) given `candidate`, what [`candidate`](Self::candidate) answered for
+    /// `hash` since the table last changed: that slot is compared first, and no candidate means
+    /// no key of that hash is in the table (no entry's tag matches and the chain is empty).
+    #[inline]
+    #[must_use]
+    pub fn find_from(&self, key: &[u8], hash: u64, candidate: Option<ChunkId>) -> Option<ChunkId> {
+        let c = candidate?;
+        if self.holds(c, key, hash) {
+            Some(c)
+        } else {
+            self.find(key, hash)
+        }
+    }
+
     /// Whether slot `c` holds `key` (hashing to `hash`); keys are compared only on a hash match
     /// (almost always the key itself).
     #[inline]
@@ -1243,6 +1257,36 @@ mod tests {
         t.insert(0, &ks[4], h(&ks[4]));
         assert_eq!(shared.probe(&ks[4], h(&ks[4])), Probe::Pending);
         t.validate().unwrap();
+    }
+
+    /// `find_from` answers as `find` whatever the candidate it is given: the one `candidate`
+    /// reads (an entry whose tag matches, or the chain's head), any other slot (used or not),
+    /// or none for a key whose bucket is empty.
+    #[test]
+    fn find_from_answers_as_find_whatever_the_candidate() {
+        let mut t = table(8);
+        let ks = colliding_keys(11, 8);
+        // Six in one bucket: its three entries and a chain of three; two more absent.
+        for (c, k) in ks[..6].iter().enumerate() {
+            put(&mut t, c as ChunkId, k);
+        }
+        t.validate().unwrap();
+        for (i, k) in ks.iter().enumerate() {
+            let h = hash_key(k);
+            let want = t.find(k, h);
+            assert_eq!(want, (i < 6).then_some(i as ChunkId));
+            assert_eq!(t.find_from(k, h, t.candidate(h)), want);
+            for other in 0..8 {
+                assert_eq!(
+                    t.find_from(k, h, Some(other)),
+                    want,
+                    "key {i}, slot {other}"
+                );
+            }
+        }
+        let lone = &colliding_keys(12, 1)[0];
+        assert_eq!(t.candidate(hash_key(lone)), None);
+        assert_eq!(t.find_from(lone, hash_key(lone), None), None);
     }
 
     #[test]
