@@ -80,10 +80,11 @@ def measure_sizes(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     skipped: dict[str, list[int]] = {}
     for policy in args.policies:
+        impls = _impls(args.impls, policy)
         caches: dict[tuple[int, str], FilledCache] = {}
         for size in args.sizes:
             keys = make_keys(size + SPARE_KEYS, seed=size)
-            for impl in _impls(args.impls, policy):
+            for impl in impls:
                 if impl != "rust" and size > args.python_max:
                     skipped.setdefault(impl, []).append(size)
                     continue
@@ -92,26 +93,25 @@ def measure_sizes(args: argparse.Namespace) -> dict[str, Any]:
                 took = time.perf_counter() - started
                 _log(f"sizes {policy} {size:>10,} {impl:<9} filled in {took:6.1f} s")
             del keys
-        best: dict[tuple[int, str], dict[str, float]] = {}
+        # Filled in size order, so each size's pools are a run of `caches`; the rounds take the
+        # runs in rotated order, and `best` keeps the filling order for the output.
+        best: dict[tuple[int, str], dict[str, float]] = {key: {} for key in caches}
         sizes = list(args.sizes)
         for r in range(args.rounds):
             started = time.perf_counter()
             for size in sizes[r % len(sizes) :] + sizes[: r % len(sizes)]:
-                for impl in _impls(args.impls, policy):
-                    cache = caches.get((size, impl))
-                    if cache is None:
+                for (at, impl), cache in caches.items():
+                    if at != size:
                         continue
-                    row = best.setdefault((size, impl), {})
+                    row = best[at, impl]
                     for op in OPERATIONS:
                         ns = time_op(cache, op, repeat=args.repeat)
                         row[op] = min(row.get(op, ns), ns)
             took = time.perf_counter() - started
             _log(f"sizes {policy} round {r + 1}/{args.rounds} {took:6.1f} s")
         per_size: dict[str, Any] = {}
-        for size in args.sizes:
-            for impl in _impls(args.impls, policy):
-                if (size, impl) in best:
-                    per_size.setdefault(str(size), {})[impl] = best[size, impl]
+        for (size, impl), row in best.items():
+            per_size.setdefault(str(size), {})[impl] = row
         out[policy] = per_size
         caches.clear()
         gc.collect()
