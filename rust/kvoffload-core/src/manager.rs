@@ -861,6 +861,13 @@ impl Manager {
         self.slots.drain_releases(|c| policy.mark_evictable(c));
     }
 
+    /// Promise that no lock-free release ([`ChunkTable::release`]) runs until the promise is
+    /// withdrawn: pins and unpins then skip their compare-and-swap. See
+    /// [`Slots::set_exclusive`]; off by default.
+    pub fn set_exclusive(&mut self, on: bool) {
+        self.slots.set_exclusive(on);
+    }
+
     /// Snapshot of the policy's order.
     #[must_use]
     pub fn policy_state(&self) -> PolicyState {

@@ -240,6 +240,9 @@ pub(crate) struct ManagerCore {
     /// The manager's slot table: lookups read it, and load completions (built-in policies)
     /// release pins in it, without the lock.
     table: Arc<core::ChunkTable>,
+    /// The interpreter runs with a GIL: a thread holding it through a call excludes every
+    /// lock-free release (each runs attached), so that call may pin without compare-and-swap.
+    gil: bool,
 }
 
 /// The manager if its lock is free now (and not poisoned), releases applied: uncontended calls
@@ -248,13 +251,35 @@ fn uncontended(inner: &Mutex<Core>) -> Option<MutexGuard<'_, Core>> {
     inner.try_lock().ok().map(applied)
 }
 
-/// A locked manager, with the releases that lock-free completions queued applied first.
+/// A locked manager, with the releases that lock-free completions queued applied first, and
+/// no promise of exclusion (a call that can make one, [`ManagerCore::exclusive`], says so).
 fn applied(mut guard: MutexGuard<'_, Core>) -> MutexGuard<'_, Core> {
+    guard.manager.set_exclusive(false);
     guard.manager.apply_releases();
     guard
 }
 
+/// Whether the running interpreter has a GIL (`sys._is_gil_enabled()`, true before 3.13).
+fn gil_enabled(py: Python<'_>) -> PyResult<bool> {
+    let sys = py.import(intern!(py, "sys"))?;
+    match sys.getattr(intern!(py, "_is_gil_enabled")) {
+        Ok(f) => f.call0()?.is_truthy(),
+        Err(_) => Ok(true),
+    }
+}
+
 impl ManagerCore {
+    /// Run `f` on a manager locked by an attached caller (built-in policy), promising the core
+    /// that no lock-free release runs meanwhile when the interpreter has a GIL: this thread
+    /// holds it until `f` returns (nothing in `f` runs Python or detaches), and every release
+    /// runs attached. Without a GIL (free-threaded) nothing is promised.
+    fn exclusive<R>(&self, m: &mut Core, f: impl FnOnce(&mut Core) -> R) -> R {
+        m.set_exclusive(self.gil);
+        let out = f(m);
+        m.set_exclusive(false);
+        out
+    }
+
     /// The classes this manager builds its results from.
     fn types<'a>(&'a self, py: Python<'a>) -> PyResult<&'a ResultTypes> {
         match &self.types {
@@ -347,7 +372,8 @@ impl ManagerCore {
             None => None,
         };
         if !self.python_policy {
-            return Ok((f(&mut m, s.as_deref_mut()), None));
+            let out = self.exclusive(&mut m, |m| f(m, s.as_deref_mut()));
+            return Ok((out, None));
         }
         self.busy.store(thread_mark(), Ordering::Release);
         m.begin(ctx, keys);
@@ -605,6 +631,7 @@ impl ManagerCore {
         let table = inner.shared_table();
         Ok(Self {
             table,
+            gil: gil_enabled(py)?,
             inner: Mutex::new(Core {
                 manager: inner,
                 keys: Vec::new(),
@@ -721,8 +748,8 @@ impl ManagerCore {
         if !self.python_policy {
             if let Some(mut m) = uncontended(&self.inner) {
                 let hints = m.memo.hints(&addrs);
-                return m
-                    .complete_load_hinted(slices, &hints)
+                return self
+                    .exclusive(&mut m, |m| m.complete_load_hinted(slices, &hints))
                     .map_err(|e| to_py(py, e));
             }
             if self.table.release(slices) == core::Release::Done {
