@@ -881,7 +881,9 @@ impl Slots {
                 link = &t.slots[l as usize - 1].next;
             }
         }
-        self.long.remove(&c);
+        if key.len() > INLINE_KEY {
+            self.long.remove(&c);
+        }
         self.len -= 1;
         key
     }
