@@ -870,9 +870,9 @@ impl Manager {
         self.slots.drain_releases(|c| policy.mark_evictable(c));
     }
 
-    /// Promise that no lock-free release ([`ChunkTable::release`]) runs until the promise is
-    /// withdrawn: pins and unpins then skip their compare-and-swap. See
-    /// [`Slots::set_exclusive`]; off by default.
+    /// Ask for pins and unpins without compare-and-swap until `set_exclusive(false)`; lock-free
+    /// releases ([`ChunkTable::release`]) back off meanwhile. See [`Slots::set_exclusive`];
+    /// off by default.
     pub fn set_exclusive(&mut self, on: bool) {
         self.slots.set_exclusive(on);
     }

@@ -310,6 +310,11 @@ pub struct ChunkTable {
     links: ZeroArray<AtomicU32>,
     /// The top of the release stack, plus one (0: empty).
     top: AtomicU32,
+    /// Releases in progress (each counts itself in before it looks at `exclusive`).
+    releasers: AtomicU32,
+    /// 1 while the writer pins without compare-and-swap ([`Slots::set_exclusive`]): a release
+    /// that finds it set backs off ([`Release::Unsure`]) without touching a slot.
+    exclusive: AtomicU32,
 }
 
 impl ChunkTable {
@@ -324,6 +329,8 @@ impl ChunkTable {
             mask: buckets - 1,
             links: ZeroArray::new(n)?,
             top: AtomicU32::zero(),
+            releasers: AtomicU32::zero(),
+            exclusive: AtomicU32::zero(),
         })
     }
 
@@ -473,8 +480,25 @@ impl ChunkTable {
     }
 
     /// Drop one pin per key (a key listed twice drops two), lock-free; see the module docs.
-    /// Either every pin is dropped ([`Release::Done`]) or none ([`Release::Unsure`]).
+    /// Either every pin is dropped ([`Release::Done`]) or none ([`Release::Unsure`]): none
+    /// also while the writer pins without compare-and-swap ([`Slots::set_exclusive`]).
     pub fn release(&self, keys: &[&[u8]]) -> Release {
+        // Counted in first, then the writer's flag read, a full fence between (as between the
+        // writer's flag store and its read of the count): either this release sees the flag
+        // and backs off, or the writer sees the count and keeps its compare-and-swap.
+        self.releasers.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        let done = if self.exclusive.load(Ordering::SeqCst) == 0 {
+            self.release_counted(keys)
+        } else {
+            Release::Unsure
+        };
+        self.releasers.fetch_sub(1, Ordering::SeqCst);
+        done
+    }
+
+    /// [`release`](Self::release) once counted in and clear of an exclusive writer.
+    fn release_counted(&self, keys: &[&[u8]]) -> Release {
         let mut taken: SmallVec<[(ChunkId, bool); 32]> = SmallVec::with_capacity(keys.len());
         let hashes: SmallVec<[u64; 32]> = keys.iter().map(|k| hash_key(k)).collect();
         self.prefetch_batch(&hashes);
@@ -594,8 +618,8 @@ pub struct Slots {
     num_evictable: usize,
     /// Whole keys longer than [`INLINE_KEY`], by slot.
     long: HashMap<ChunkId, Box<[u8]>, KeyHasher>,
-    /// No releaser runs meanwhile (the owner's promise, [`set_exclusive`](Self::set_exclusive)):
-    /// pins change by plain stores, not compare-and-swap.
+    /// Granted by [`set_exclusive`](Self::set_exclusive): no release runs meanwhile, so pins
+    /// change by plain stores, not compare-and-swap.
     exclusive: bool,
 }
 
@@ -614,16 +638,29 @@ impl Slots {
         })
     }
 
-    /// Promise (`true`) or stop promising (`false`) that no [`ChunkTable::release`] runs until
-    /// the promise is withdrawn, on any thread. While promised, [`pin`](Self::pin) and
-    /// [`unpin_all`](Self::unpin_all) change a slot's state word by a load and a store instead
-    /// of a compare-and-swap (a locked instruction, about a tenth of a load's cost in wall
-    /// time). Readers are unaffected: they only load. A release running under a broken promise
-    /// could have its pin drop overwritten, so a binding promises only when releasers cannot
-    /// run at all (an interpreter lock held by the caller for the whole call, which every
-    /// releaser needs too). Off by default.
+    /// Ask (`true`) for pins without compare-and-swap until `set_exclusive(false)`: while
+    /// granted, [`pin`](Self::pin) and [`unpin_all`](Self::unpin_all) change a slot's state
+    /// word by a load and a store (a locked instruction costs about a tenth of a load in wall
+    /// time), and every [`ChunkTable::release`] backs off with [`Release::Unsure`] (its caller
+    /// then repeats it under the lock, which waits for this call). Granted unless a release is
+    /// in progress at the moment of asking (then the call keeps the compare-and-swap). Readers
+    /// are unaffected: they only load. Worth asking when releases rarely overlap the writer's
+    /// calls (an interpreter with a GIL); off by default.
     pub fn set_exclusive(&mut self, on: bool) {
-        self.exclusive = on;
+        let t = &*self.table;
+        if on {
+            // The flag first, then the count (see `ChunkTable::release`): a release already
+            // counted in may be changing pins, so this call keeps the compare-and-swap.
+            t.exclusive.store(1, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
+            self.exclusive = t.releasers.load(Ordering::SeqCst) == 0;
+            if !self.exclusive {
+                t.exclusive.store(0, Ordering::SeqCst);
+            }
+        } else if self.exclusive || t.exclusive.load(Ordering::Relaxed) != 0 {
+            self.exclusive = false;
+            t.exclusive.store(0, Ordering::SeqCst);
+        }
     }
 
     /// The shared table, for lock-free readers and releasers.
@@ -1442,7 +1479,7 @@ mod tests {
     #[test]
     fn exclusive_pins_and_unpins_match_compare_and_swap() {
         // Two tables take the same pins, unpins and releases; one pins without
-        // compare-and-swap whenever no release is due (as its owner would promise). Every
+        // compare-and-swap whenever no release is due (as its owner would ask). Every
         // answer, state word and counter must agree (checked: it fails when an exclusive unpin
         // drops the sequence number).
         let (mut a, mut b) = (table(6), table(6));
@@ -1473,7 +1510,7 @@ mod tests {
                     assert_eq!(a.unpin_all(&chunks), b.unpin_all(&chunks), "step {step}");
                 }
                 _ => {
-                    // A release only while nothing is promised, then the owner's drain.
+                    // A release while nothing is asked, then the owner's drain.
                     b.set_exclusive(false);
                     let k = [c as u8];
                     assert_eq!(sa.release(&[&k]), sb.release(&[&k]), "step {step}");
@@ -1494,6 +1531,17 @@ mod tests {
         }
         a.validate().unwrap();
         b.validate().unwrap();
+        // While exclusive, a release backs off and changes nothing; after, it goes through.
+        b.set_exclusive(false);
+        let pinned = (0..6).find(|&c| b.check_pin(c, 1).is_ok()).unwrap();
+        b.pin(pinned);
+        let before = b.state(pinned);
+        b.set_exclusive(true);
+        let k = [pinned as u8];
+        assert_eq!(sb.release(&[&k]), Release::Unsure);
+        assert_eq!(b.state(pinned), before);
+        b.set_exclusive(false);
+        assert_eq!(sb.release(&[&k]), Release::Done);
     }
 
     #[test]

@@ -102,6 +102,30 @@ fn a_release_racing_the_writers_pin_and_drain_loses_no_pin() {
 }
 
 #[test]
+fn a_release_racing_an_exclusive_writer_backs_off_or_keeps_the_writer_on_compare_and_swap() {
+    // The writer asks for pins without compare-and-swap, pins and unpins once, and stops
+    // asking, while a release of the key's other pin runs. Either the release backs off (and
+    // its caller would repeat it under the lock) or it lands: no pin is ever lost or doubled.
+    model(|| {
+        let mut t = ready(1, &[b"k"]);
+        t.check_pin(0, 1).unwrap();
+        t.pin(0);
+        let shared = t.shared();
+        let releaser = thread::spawn(move || shared.release(&[b"k"]));
+        t.set_exclusive(true);
+        t.check_pin(0, 1).unwrap();
+        t.pin(0);
+        assert!(t.unpin_all(&[0]).is_ok());
+        t.set_exclusive(false);
+        let released = releaser.join().unwrap();
+        t.drain_releases(|_| {});
+        let left = if released == Release::Done { 0 } else { 1 };
+        assert_eq!(t.state(0), ChunkState::Ready(left));
+        t.validate().unwrap();
+    });
+}
+
+#[test]
 fn two_releases_of_one_pin_one_wins_and_the_other_changes_nothing() {
     model(|| {
         let mut t = ready(2, &[b"x", b"y"]);

@@ -240,8 +240,8 @@ pub(crate) struct ManagerCore {
     /// The manager's slot table: lookups read it, and load completions (built-in policies)
     /// release pins in it, without the lock.
     table: Arc<core::ChunkTable>,
-    /// The interpreter runs with a GIL: a thread holding it through a call excludes every
-    /// lock-free release (each runs attached), so that call may pin without compare-and-swap.
+    /// The interpreter runs with a GIL: calls ask the core for pins without compare-and-swap
+    /// (lock-free releases back off meanwhile; with a GIL they rarely overlap a call anyway).
     gil: bool,
 }
 
@@ -252,7 +252,7 @@ fn uncontended(inner: &Mutex<Core>) -> Option<MutexGuard<'_, Core>> {
 }
 
 /// A locked manager, with the releases that lock-free completions queued applied first, and
-/// no promise of exclusion (a call that can make one, [`ManagerCore::exclusive`], says so).
+/// pins by compare-and-swap (a call that asks otherwise, [`ManagerCore::exclusive`], says so).
 fn applied(mut guard: MutexGuard<'_, Core>) -> MutexGuard<'_, Core> {
     guard.manager.set_exclusive(false);
     guard.manager.apply_releases();
@@ -269,10 +269,10 @@ fn gil_enabled(py: Python<'_>) -> PyResult<bool> {
 }
 
 impl ManagerCore {
-    /// Run `f` on a manager locked by an attached caller (built-in policy), promising the core
-    /// that no lock-free release runs meanwhile when the interpreter has a GIL: this thread
-    /// holds it until `f` returns (nothing in `f` runs Python or detaches), and every release
-    /// runs attached. Without a GIL (free-threaded) nothing is promised.
+    /// Run `f` on a manager locked by an attached caller (built-in policy), its pins without
+    /// compare-and-swap when the interpreter has a GIL (see `Slots::set_exclusive`): lock-free
+    /// releases, which back off meanwhile, then rarely overlap a call. Free-threaded, where
+    /// they are the point of the table, the core is not asked.
     fn exclusive<R>(&self, m: &mut Core, f: impl FnOnce(&mut Core) -> R) -> R {
         m.set_exclusive(self.gil);
         let out = f(m);
