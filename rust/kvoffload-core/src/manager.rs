@@ -200,6 +200,9 @@ pub struct Manager {
     /// One bit per chunk, all clear between calls: [`any_repeated`](Self::any_repeated)'s
     /// scratch (a pool of 10^5 chunks takes 12.5 KiB, which stays in the nearest caches).
     marks: Vec<u64>,
+    /// Pinning calls ask the table for pins without compare-and-swap
+    /// ([`set_exclusive`](Self::set_exclusive)).
+    exclusive_pins: bool,
     protect_stamp: u32,
     /// The policy is external (plug-in code that may fail): calls check it and undo their
     /// changes when it does, and ref-count changes are mirrored to it.
@@ -257,6 +260,7 @@ impl Manager {
             stores_skipped: 0,
             protect: Vec::new(),
             marks: Vec::new(),
+            exclusive_pins: false,
             protect_stamp: 0,
             external,
             liveness: PendingWrites::new(),
@@ -443,6 +447,16 @@ impl Manager {
         positions: Option<&[Option<i64>]>,
         req: &mut RequestState,
     ) -> Result<Vec<ChunkId>> {
+        self.pinning(|m| m.prepare_load_pinning(keys, positions, req))
+    }
+
+    /// [`prepare_load`](Self::prepare_load), inside [`pinning`](Self::pinning).
+    fn prepare_load_pinning(
+        &mut self,
+        keys: &[&[u8]],
+        positions: Option<&[Option<i64>]>,
+        req: &mut RequestState,
+    ) -> Result<Vec<ChunkId>> {
         self.apply_releases();
         check_positions(keys, positions)?;
         let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
@@ -514,6 +528,12 @@ impl Manager {
         keys: &[&[u8]],
         hints: &[Option<ChunkId>],
     ) -> Result<()> {
+        self.pinning(|m| m.complete_load_pinning(keys, hints))
+    }
+
+    /// [`complete_load_hinted`](Self::complete_load_hinted), inside
+    /// [`pinning`](Self::pinning).
+    fn complete_load_pinning(&mut self, keys: &[&[u8]], hints: &[Option<ChunkId>]) -> Result<()> {
         self.apply_releases();
         let found = self.resolve_hinted(keys, hints);
         let mut chunks: Scratch<ChunkId> = SmallVec::with_capacity(keys.len());
@@ -870,11 +890,25 @@ impl Manager {
         self.slots.drain_releases(|c| policy.mark_evictable(c));
     }
 
-    /// Ask for pins and unpins without compare-and-swap until `set_exclusive(false)`; lock-free
-    /// releases ([`ChunkTable::release`]) back off meanwhile. See [`Slots::set_exclusive`];
-    /// off by default.
+    /// Whether the calls that pin or unpin (`prepare_load`, `complete_load`) ask the table
+    /// for pins without compare-and-swap for their duration; lock-free releases
+    /// ([`ChunkTable::release`]) back off while it is granted. See [`Slots::set_exclusive`];
+    /// off by default. Other calls are unaffected.
     pub fn set_exclusive(&mut self, on: bool) {
-        self.slots.set_exclusive(on);
+        self.exclusive_pins = on;
+    }
+
+    /// Run pinning work `f` with exclusive pins asked for when [`set_exclusive`] is on.
+    ///
+    /// [`set_exclusive`]: Self::set_exclusive
+    fn pinning<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        if !self.exclusive_pins {
+            return f(self);
+        }
+        self.slots.set_exclusive(true);
+        let out = f(self);
+        self.slots.set_exclusive(false);
+        out
     }
 
     /// Snapshot of the policy's order.

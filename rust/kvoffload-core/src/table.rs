@@ -657,7 +657,8 @@ impl Slots {
             if !self.exclusive {
                 t.exclusive.store(0, Ordering::SeqCst);
             }
-        } else if self.exclusive || t.exclusive.load(Ordering::Relaxed) != 0 {
+        } else if self.exclusive {
+            // Only a granted request leaves the flag set.
             self.exclusive = false;
             t.exclusive.store(0, Ordering::SeqCst);
         }

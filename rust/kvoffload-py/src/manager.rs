@@ -240,8 +240,9 @@ pub(crate) struct ManagerCore {
     /// The manager's slot table: lookups read it, and load completions (built-in policies)
     /// release pins in it, without the lock.
     table: Arc<core::ChunkTable>,
-    /// The interpreter runs with a GIL: calls ask the core for pins without compare-and-swap
-    /// (lock-free releases back off meanwhile; with a GIL they rarely overlap a call anyway).
+    /// The interpreter runs with a GIL: attached calls let the core pin without
+    /// compare-and-swap (`Manager::set_exclusive`; lock-free releases back off meanwhile, and
+    /// with a GIL they rarely overlap an attached call anyway).
     gil: bool,
 }
 
@@ -251,10 +252,8 @@ fn uncontended(inner: &Mutex<Core>) -> Option<MutexGuard<'_, Core>> {
     inner.try_lock().ok().map(applied)
 }
 
-/// A locked manager, with the releases that lock-free completions queued applied first, and
-/// pins by compare-and-swap (a call that asks otherwise, [`ManagerCore::exclusive`], says so).
+/// A locked manager, with the releases that lock-free completions queued applied first.
 fn applied(mut guard: MutexGuard<'_, Core>) -> MutexGuard<'_, Core> {
-    guard.manager.set_exclusive(false);
     guard.manager.apply_releases();
     guard
 }
@@ -269,17 +268,6 @@ fn gil_enabled(py: Python<'_>) -> PyResult<bool> {
 }
 
 impl ManagerCore {
-    /// Run `f` on a manager locked by an attached caller (built-in policy), its pins without
-    /// compare-and-swap when the interpreter has a GIL (see `Slots::set_exclusive`): lock-free
-    /// releases, which back off meanwhile, then rarely overlap a call. Free-threaded, where
-    /// they are the point of the table, the core is not asked.
-    fn exclusive<R>(&self, m: &mut Core, f: impl FnOnce(&mut Core) -> R) -> R {
-        m.set_exclusive(self.gil);
-        let out = f(m);
-        m.set_exclusive(false);
-        out
-    }
-
     /// The classes this manager builds its results from.
     fn types<'a>(&'a self, py: Python<'a>) -> PyResult<&'a ResultTypes> {
         match &self.types {
@@ -358,6 +346,8 @@ impl ManagerCore {
         if !self.python_policy && keys.len() >= DETACH_MIN_KEYS {
             let out = py.detach(|| {
                 let mut m = applied(self.inner.lock().map_err(|_| LockError::Poisoned)?);
+                // Detached, other threads run: their completions stay lock-free.
+                m.set_exclusive(false);
                 let mut s = match state {
                     Some(st) => Some(st.inner.lock().map_err(|_| LockError::Poisoned)?),
                     None => None,
@@ -372,8 +362,10 @@ impl ManagerCore {
             None => None,
         };
         if !self.python_policy {
-            let out = self.exclusive(&mut m, |m| f(m, s.as_deref_mut()));
-            return Ok((out, None));
+            // Attached: pins without compare-and-swap when the interpreter has a GIL (see
+            // `gil`); free-threaded, lock-free releases are the point of the table.
+            m.set_exclusive(self.gil);
+            return Ok((f(&mut m, s.as_deref_mut()), None));
         }
         self.busy.store(thread_mark(), Ordering::Release);
         m.begin(ctx, keys);
@@ -748,8 +740,9 @@ impl ManagerCore {
         if !self.python_policy {
             if let Some(mut m) = uncontended(&self.inner) {
                 let hints = m.memo.hints(&addrs);
-                return self
-                    .exclusive(&mut m, |m| m.complete_load_hinted(slices, &hints))
+                m.set_exclusive(self.gil);
+                return m
+                    .complete_load_hinted(slices, &hints)
                     .map_err(|e| to_py(py, e));
             }
             if self.table.release(slices) == core::Release::Done {
