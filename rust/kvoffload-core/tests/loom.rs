@@ -77,14 +77,19 @@ fn a_reader_passing_an_entry_whose_slot_moved_to_another_bucket_finds_the_chaine
     reader_during_rebuild(0, 1);
 }
 
+/// Key `k` resident in slot 0 with one pin, and a thread releasing that pin (lock-free).
+fn pinned_and_releasing() -> (Slots, thread::JoinHandle<Release>) {
+    let mut t = ready(1, &[b"k"]);
+    t.check_pin(0, 1).unwrap();
+    t.pin(0);
+    let shared = t.shared();
+    (t, thread::spawn(move || shared.release(&[b"k"])))
+}
+
 #[test]
 fn a_release_racing_the_writers_pin_and_drain_loses_no_pin() {
     model(|| {
-        let mut t = ready(1, &[b"k"]);
-        t.check_pin(0, 1).unwrap();
-        t.pin(0);
-        let shared = t.shared();
-        let releaser = thread::spawn(move || shared.release(&[b"k"]));
+        let (mut t, releaser) = pinned_and_releasing();
         // The writer: apply queued releases, then a load pins the key again.
         let mut applied = 0;
         t.drain_releases(|_| applied += 1);
@@ -107,11 +112,7 @@ fn a_release_racing_an_exclusive_writer_backs_off_or_keeps_the_writer_on_compare
     // asking, while a release of the key's other pin runs. Either the release backs off (and
     // its caller would repeat it under the lock) or it lands: no pin is ever lost or doubled.
     model(|| {
-        let mut t = ready(1, &[b"k"]);
-        t.check_pin(0, 1).unwrap();
-        t.pin(0);
-        let shared = t.shared();
-        let releaser = thread::spawn(move || shared.release(&[b"k"]));
+        let (mut t, releaser) = pinned_and_releasing();
         t.set_exclusive(true);
         t.check_pin(0, 1).unwrap();
         t.pin(0);
