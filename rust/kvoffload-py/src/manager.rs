@@ -4,13 +4,13 @@
 //! policy is refused. Either way a held lock is waited for detached from the interpreter.
 
 use crate::errors::{poisoned, raise, to_py};
-use crate::keys::{one_key, result_types, Context, Keys, ResultTypes};
+use crate::keys::{one_key, result_types, Batch, Context, Keys, ResultTypes};
 use crate::liveness::Liveness;
 use crate::policy::external::PythonPolicy;
 use crate::policy::state::{state_dict, state_keys};
 use crate::request::RequestState;
 use kvoffload_core::{self as core, Lookup, Manager, ManagerConfig, PolicyKind};
-use numpy::PyArray1;
+use numpy::{PyArray1, PyArrayMethods};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
@@ -97,7 +97,7 @@ impl ChunkMemo {
     }
 
     /// The guessed chunk of each object, by address.
-    fn hints(&self, addrs: &[usize]) -> Vec<Option<core::ChunkId>> {
+    fn hints(&self, addrs: &[usize]) -> Batch<Option<core::ChunkId>> {
         addrs
             .iter()
             .map(|&addr| {
@@ -110,7 +110,7 @@ impl ChunkMemo {
 
 /// The addresses of key objects, for a [`ChunkMemo`] (the closures that may run detached
 /// from the interpreter take these, not the objects).
-fn addresses(objs: &[Bound<'_, PyBytes>]) -> Vec<usize> {
+fn addresses(objs: &[Bound<'_, PyBytes>]) -> Batch<usize> {
     objs.iter().map(|o| o.as_ptr() as usize).collect()
 }
 
@@ -518,8 +518,17 @@ fn spec<'py>(
     types: &ResultTypes,
     chunks: &[core::ChunkId],
 ) -> PyResult<Bound<'py, PyAny>> {
-    let ids: Vec<i32> = chunks.iter().map(|&c| c as i32).collect();
-    let array = PyArray1::from_slice(py, &ids);
+    // SAFETY: a fresh, C-contiguous, one-dimensional int32 array of `chunks.len()` elements,
+    // not yet shared: each element is written once through its data pointer before the array
+    // is handed out (the ids go straight in, without a `Vec` in between).
+    let array = unsafe {
+        let array = PyArray1::<i32>::new(py, [chunks.len()], false);
+        let data = array.data();
+        for (i, &c) in chunks.iter().enumerate() {
+            data.add(i).write(c as i32);
+        }
+        array
+    };
     types
         .cpu_spec
         .build(py, &[(intern!(py, "block_ids"), array.into_any())])
@@ -714,7 +723,7 @@ impl ManagerCore {
                         m.memo.put(addr, c);
                     }
                 }
-                (chunks, mark, s.last_added().to_vec())
+                (chunks, mark, Batch::<u32>::from_slice(s.last_added()))
             },
         )?;
         let chunks = settle(py, chunks, raised)?;
@@ -839,7 +848,13 @@ impl ManagerCore {
                     Err(_) if self.python_policy => dropped = m.forget_evicted(),
                     _ => {}
                 }
-                (outcome, objs, dropped, mark, s.last_added().to_vec())
+                (
+                    outcome,
+                    objs,
+                    dropped,
+                    mark,
+                    Batch::<u32>::from_slice(s.last_added()),
+                )
             },
         )?;
         drop((dropped, owned));
