@@ -1013,8 +1013,22 @@ impl ManagerCore {
 
     /// Raise `InvariantViolation` if any internal invariant is broken.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        let checked = self.lock(py)?.validate();
-        checked.map_err(|e| to_py(py, e))
+        let core = self.lock(py)?;
+        core.validate().map_err(|e| to_py(py, e))?;
+        // Every resident chunk keeps the key object it was stored with, whose bytes are the
+        // chunk's key: evicted keys are answered with these objects.
+        for (key, c, _) in core.resident() {
+            let kept = core.keys.get(c as usize).and_then(Option::as_ref);
+            if kept.is_none_or(|obj| obj.bind(py).as_bytes() != key.as_slice()) {
+                return Err(to_py(
+                    py,
+                    core::CoreError::Invariant(format!(
+                        "chunk {c} does not keep the key object it holds"
+                    )),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// `{key: (chunk_id, ref_cnt)}` of every resident key.
