@@ -2,8 +2,10 @@
 
 Runs, each in its own process and all in this one invocation (so the ratios are side by side):
 ``report.py`` (FFI cases, every policy), ``scaling.py`` (size, pins, batch, memory),
-``vllm_step.py`` (scheduler-trace replay against vLLM 0.33.0's manager) and ``kvoffload bench``
-(the same replay against the reference, every policy); then, for the targets against vLLM, two
+``vllm_step.py`` (scheduler-trace replay against vLLM 0.33.0's manager), ``kvoffload bench``
+(the same replay against the reference, every policy) and, where ``cargo`` is on the path, the
+core crate's ``memory_floor`` example (what a lookup's memory accesses alone cost against pool
+size); then, for the targets against vLLM, two
 more runs of the target cases and of the replay, each in a fresh process (the page's verdicts
 take the median of the three); then writes the markdown and the PNGs.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -39,6 +42,7 @@ MODES: dict[str, dict[str, list[str]]] = {
         "step": ["--requests", "2000", "--repeat", "3"],
         "bench": ["--requests", "2000", "--repeat", "3"],
         "targets": ["--sizes", "100000", "--repeat", "3"],
+        "floor": ["1000", "100000", "1000000", "10000000"],
     },
     "full": {
         "report": ["--sizes", "1000,100000,1000000", "--repeat", "7"],
@@ -46,6 +50,7 @@ MODES: dict[str, dict[str, list[str]]] = {
         "step": ["--requests", "5000", "--repeat", "3"],
         "bench": ["--requests", "5000", "--repeat", "3"],
         "targets": ["--sizes", "100000", "--repeat", "7"],
+        "floor": ["1000", "10000", "100000", "1000000", "10000000"],
     },
 }
 
@@ -90,6 +95,14 @@ def measure(mode: str, out: Path) -> None:
         jobs[f"step-{k}"] += opts["step"]
     for name in ("report", "scaling", "step", "bench"):
         jobs[name] += opts[name]
+    if shutil.which("cargo") is not None:
+        jobs["floor"] = [
+            *("cargo", "run", "--release", "--quiet", "-p", "kvoffload-core"),
+            *("--example", "memory_floor", "--", "--json", str(out / "floor.json")),
+            *opts["floor"],
+        ]
+    else:
+        print("make_report: no cargo on the path: the memory floor is left out", file=sys.stderr)
     for name, cmd in jobs.items():
         seconds[name] = _run(name, cmd, out / f"{name}.log")
     meta = {
@@ -100,7 +113,8 @@ def measure(mode: str, out: Path) -> None:
         "seconds": seconds,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commands": {
-            name: ["python", *(_relative(part) for part in cmd[1:])] for name, cmd in jobs.items()
+            name: ["python" if cmd[0] == py else cmd[0], *(_relative(part) for part in cmd[1:])]
+            for name, cmd in jobs.items()
         },
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -124,7 +138,7 @@ def _cpus() -> str:
 def load(out: Path) -> dict[str, Any]:
     """The JSON documents of a run, by name (a missing one is absent)."""
     docs: dict[str, Any] = {}
-    for name in ("meta", "ffi", "scaling", "step", "bench"):
+    for name in ("meta", "ffi", "scaling", "step", "bench", "floor"):
         path = out / f"{name}.json"
         if path.is_file():
             docs[name] = json.loads(path.read_text())

@@ -18,13 +18,14 @@
 //!   without the Python call around it.
 //!
 //! ```text
-//! cargo run --release -p kvoffload-core --example memory_floor [--scattered] [sizes...]
+//! cargo run --release -p kvoffload-core --example memory_floor [--scattered] [--json PATH] [sizes...]
 //! ```
 //!
 //! Prints, per pool size, nanoseconds per key (best of several runs) and the ratio to the
 //! smallest size. The slots of a window are adjacent too (keys stored in order take
 //! consecutive chunks); `--scattered` stores the keys in a random order instead, so every
-//! key's slot is at a random place.
+//! key's slot is at a random place. `--json PATH` also writes the figures as JSON
+//! (`benches/make_report.py` puts them on the performance page).
 
 use kvoffload_core::mem::prefetch;
 use kvoffload_core::{hash_key, ChunkId, ChunkTable, Slots};
@@ -221,15 +222,21 @@ fn time(
 
 fn main() {
     let mut scattered = false;
+    let mut json = None;
     let mut sizes = Vec::new();
-    for arg in std::env::args().skip(1) {
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
         if arg == "--scattered" {
             scattered = true;
+        } else if arg == "--json" {
+            json = args.next();
         } else {
             match arg.parse::<f64>() {
                 Ok(x) if x >= WINDOW as f64 => sizes.push(x as usize),
                 _ => {
-                    eprintln!("usage: memory_floor [--scattered] [sizes, each >= {WINDOW}]");
+                    eprintln!(
+                        "usage: memory_floor [--scattered] [--json PATH] [sizes, each >= {WINDOW}]"
+                    );
                     std::process::exit(2);
                 }
             }
@@ -245,7 +252,7 @@ fn main() {
         "{:>12}  {:>8} {:>7}  {:>8} {:>7}",
         "chunks", "minimal", "", "table", ""
     );
-    let mut first: Option<(f64, f64)> = None;
+    let mut rows = Vec::new();
     for &n in &sizes {
         let mut place: Vec<usize> = (0..n).collect();
         if scattered {
@@ -261,11 +268,28 @@ fn main() {
             let t = Table::new(n, &place, &mut rng);
             time(n, |s| t.lookup_prefix(s), 200_000, 5, &mut rng)
         };
-        let (m0, t0) = *first.get_or_insert((minimal, table));
+        let (m0, t0) = rows.first().map_or((minimal, table), |&(_, m, t)| (m, t));
         println!(
             "{n:>12}  {minimal:8.2} {:6.2}x  {table:8.2} {:6.2}x",
             minimal / m0,
             table / t0
         );
+        rows.push((n, minimal, table));
+    }
+    if let Some(path) = json {
+        let list = |f: &dyn Fn(&(usize, f64, f64)) -> String| {
+            rows.iter().map(f).collect::<Vec<_>>().join(", ")
+        };
+        let doc = format!(
+            "{{\"window\": {WINDOW}, \"layout\": \"{layout}\", \"sizes\": [{}], \
+             \"minimal_ns\": [{}], \"table_ns\": [{}]}}\n",
+            list(&|r| r.0.to_string()),
+            list(&|r| format!("{:.3}", r.1)),
+            list(&|r| format!("{:.3}", r.2)),
+        );
+        if let Err(e) = std::fs::write(&path, doc) {
+            eprintln!("memory_floor: cannot write {path}: {e}");
+            std::process::exit(1);
+        }
     }
 }
