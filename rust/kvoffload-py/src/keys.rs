@@ -16,10 +16,6 @@ pub(crate) struct Keys<'py> {
     bytes: Vec<&'static [u8]>,
 }
 
-/// Per-call lists of one entry per key: inline up to 32 entries (a scheduler's batch), so a
-/// call of that size allocates nothing for them.
-pub(crate) type Batch<T> = smallvec::SmallVec<[T; 32]>;
-
 impl<'py> Keys<'py> {
     /// Collect the keys of `obj` (a list, tuple or any iterable of `bytes`).
     pub(crate) fn extract(obj: &Bound<'py, PyAny>) -> PyResult<Self> {

@@ -4,7 +4,7 @@
 //! policy is refused. Either way a held lock is waited for detached from the interpreter.
 
 use crate::errors::{poisoned, raise, to_py};
-use crate::keys::{one_key, result_types, Batch, Context, Keys, ResultTypes};
+use crate::keys::{one_key, result_types, Context, Keys, ResultTypes};
 use crate::liveness::Liveness;
 use crate::policy::external::PythonPolicy;
 use crate::policy::state::{state_dict, state_keys};
@@ -97,7 +97,7 @@ impl ChunkMemo {
     }
 
     /// The guessed chunk of each object, by address.
-    fn hints(&self, addrs: &[usize]) -> Batch<Option<core::ChunkId>> {
+    fn hints(&self, addrs: &[usize]) -> Vec<Option<core::ChunkId>> {
         addrs
             .iter()
             .map(|&addr| {
@@ -110,7 +110,7 @@ impl ChunkMemo {
 
 /// The addresses of key objects, for a [`ChunkMemo`] (the closures that may run detached
 /// from the interpreter take these, not the objects).
-fn addresses(objs: &[Bound<'_, PyBytes>]) -> Batch<usize> {
+fn addresses(objs: &[Bound<'_, PyBytes>]) -> Vec<usize> {
     objs.iter().map(|o| o.as_ptr() as usize).collect()
 }
 
@@ -723,7 +723,7 @@ impl ManagerCore {
                         m.memo.put(addr, c);
                     }
                 }
-                (chunks, mark, Batch::<u32>::from_slice(s.last_added()))
+                (chunks, mark, s.last_added().to_vec())
             },
         )?;
         let chunks = settle(py, chunks, raised)?;
@@ -848,13 +848,7 @@ impl ManagerCore {
                     Err(_) if self.python_policy => dropped = m.forget_evicted(),
                     _ => {}
                 }
-                (
-                    outcome,
-                    objs,
-                    dropped,
-                    mark,
-                    Batch::<u32>::from_slice(s.last_added()),
-                )
+                (outcome, objs, dropped, mark, s.last_added().to_vec())
             },
         )?;
         drop((dropped, owned));
