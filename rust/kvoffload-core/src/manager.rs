@@ -624,6 +624,7 @@ impl Manager {
     ) -> Result<Option<StoreOutcome>> {
         self.apply_releases();
         check_positions(keys, positions)?;
+        check_key_lengths(keys.iter().map(|k| k.len()))?;
         let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
         check_distinct(keys, &hashes)?;
         let found = self.resolve(keys, &hashes);
@@ -1367,6 +1368,20 @@ fn check_positions(keys: &[&[u8]], positions: Option<&[Option<i64>]>) -> Result<
     Ok(())
 }
 
+/// Longest key a chunk can hold: slots and ghost entries keep a key's length in 32 bits.
+const MAX_KEY_LEN: usize = u32::MAX as usize;
+
+/// Reject an offer with a key of 4 GiB or more (`lens`: the keys' lengths, in order), which no
+/// slot could hold.
+fn check_key_lengths(mut lens: impl Iterator<Item = usize>) -> Result<()> {
+    match lens.position(|n| n > MAX_KEY_LEN) {
+        Some(i) => Err(CoreError::InvalidArgument(format!(
+            "key {i} is too long to store ({MAX_KEY_LEN} bytes at most)"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Reject an offer that names a key twice.
 fn check_distinct(keys: &[&[u8]], hashes: &[u64]) -> Result<()> {
     match first_repeat(hashes, |a, b| keys[a] == keys[b]) {
@@ -1645,5 +1660,48 @@ mod tests {
         // Across the wrap, the resident key of the offer ("b") stayed protected.
         assert!(m.lookup(b"b") == Lookup::Hit && m.lookup(b"c") == Lookup::Hit);
         m.validate().unwrap();
+    }
+
+    /// Keys of 4 GiB or more cannot be stored (their lengths are kept in 32 bits): the offer
+    /// is refused with the first such key's index. (Lengths only: no such key is allocated.)
+    #[test]
+    fn keys_too_long_to_store_are_refused() {
+        assert!(check_key_lengths([36, 0, MAX_KEY_LEN].into_iter()).is_ok());
+        let err = check_key_lengths([36, MAX_KEY_LEN + 1, 1 << 40].into_iter()).unwrap_err();
+        assert!(matches!(err, CoreError::InvalidArgument(ref m) if m.starts_with("key 1 ")));
+        // Through `prepare_store`, with a real key of 4 GiB + 1 bytes: a mapping that is never
+        // written (and, as the check comes first, never read), so it costs no memory.
+        let len = MAX_KEY_LEN + 1;
+        // SAFETY: a fresh private anonymous read-only mapping of `len` bytes (not reserved
+        // against swap); it is only lent out as the slice below and unmapped after its last use.
+        let huge: &[u8] = unsafe {
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            );
+            assert!(p != libc::MAP_FAILED, "cannot map {len} bytes");
+            std::slice::from_raw_parts(p.cast::<u8>(), len)
+        };
+        let config = ManagerConfig {
+            num_chunks: 4,
+            policy: PolicyKind::Arc,
+            enable_events: false,
+            store_threshold: 1,
+            max_tracker_size: 8,
+            admission: Admission::default(),
+        };
+        let mut m = Manager::new(&config).unwrap();
+        let mut req = m.new_request_state();
+        let keys: [&[u8]; 2] = [b"a", huge];
+        let err = m.prepare_store(&keys, None, &mut req).unwrap_err();
+        assert!(matches!(err, CoreError::InvalidArgument(ref m) if m.starts_with("key 1 ")));
+        assert!(req.seen_keys().len() == 0 && m.resident().is_empty());
+        m.validate().unwrap();
+        // SAFETY: the mapping made above, no longer borrowed (`keys` and `huge` are dead).
+        unsafe { libc::munmap(huge.as_ptr().cast_mut().cast(), len) };
     }
 }
