@@ -1568,18 +1568,23 @@ mod tests {
         order
     }
 
+    /// A manager of `num_chunks` chunks under `policy`: events off, no admission threshold.
+    fn manager(num_chunks: u32, policy: PolicyKind) -> Manager {
+        Manager::new(&ManagerConfig {
+            num_chunks,
+            policy,
+            enable_events: false,
+            store_threshold: 1,
+            max_tracker_size: 8,
+            admission: Admission::default(),
+        })
+        .unwrap()
+    }
+
     #[test]
     fn a_load_naming_a_key_twice_pins_it_twice_and_records_it_once() {
         // Checked: it fails when `any_repeated` misses the repeat.
-        let mut m = Manager::new(&ManagerConfig {
-            num_chunks: 200,
-            policy: PolicyKind::Lru,
-            enable_events: false,
-            store_threshold: 1,
-            max_tracker_size: 1,
-            admission: Admission::default(),
-        })
-        .unwrap();
+        let mut m = manager(200, PolicyKind::Lru);
         let keys: Vec<[u8; 4]> = (0..150u32).map(u32::to_le_bytes).collect();
         let refs: Vec<&[u8]> = keys.iter().map(<[u8; 4]>::as_slice).collect();
         let mut req = m.new_request_state();
@@ -1633,15 +1638,7 @@ mod tests {
     /// keys stay protected across the wrap.
     #[test]
     fn protection_stamp_wraps_cleanly() {
-        let config = ManagerConfig {
-            num_chunks: 2,
-            policy: PolicyKind::Lru,
-            enable_events: false,
-            store_threshold: 1,
-            max_tracker_size: 8,
-            admission: Admission::default(),
-        };
-        let mut m = Manager::new(&config).unwrap();
+        let mut m = manager(2, PolicyKind::Lru);
         let mut req = m.new_request_state();
         let store = |m: &mut Manager, req: &mut RequestState, keys: &[&[u8]]| {
             let out = m.prepare_store(keys, None, req).unwrap().unwrap();
@@ -1686,15 +1683,7 @@ mod tests {
             assert!(p != libc::MAP_FAILED, "cannot map {len} bytes");
             std::slice::from_raw_parts(p.cast::<u8>(), len)
         };
-        let config = ManagerConfig {
-            num_chunks: 4,
-            policy: PolicyKind::Arc,
-            enable_events: false,
-            store_threshold: 1,
-            max_tracker_size: 8,
-            admission: Admission::default(),
-        };
-        let mut m = Manager::new(&config).unwrap();
+        let mut m = manager(4, PolicyKind::Arc);
         let mut req = m.new_request_state();
         let keys: [&[u8]; 2] = [b"a", huge];
         let err = m.prepare_store(&keys, None, &mut req).unwrap_err();
