@@ -155,7 +155,7 @@ class CPULoadStoreSpec(LoadStoreSpec):
     __hash__ = None  # type: ignore[assignment]
 
 
-@dataclass
+@dataclass(slots=True)
 class PrepareStoreOutput:
     """What ``prepare_store`` returns when the offer can be placed."""
 
