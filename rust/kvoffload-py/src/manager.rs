@@ -240,10 +240,11 @@ pub(crate) struct ManagerCore {
     /// The manager's slot table: lookups read it, and load completions (built-in policies)
     /// release pins in it, without the lock.
     table: Arc<core::ChunkTable>,
-    /// The interpreter runs with a GIL: attached calls let the core pin without
-    /// compare-and-swap (`Manager::set_exclusive`; lock-free releases back off meanwhile, and
-    /// with a GIL they rarely overlap an attached call anyway).
-    gil: bool,
+    /// The interpreter runs with a GIL and the policy is built in: the manager's preference
+    /// for pins without compare-and-swap (`Manager::set_exclusive`, set at construction and
+    /// off only while a detached call runs; lock-free releases back off meanwhile, and with a
+    /// GIL they rarely overlap an attached call anyway).
+    exclusive_pins: bool,
 }
 
 /// The manager if its lock is free now (and not poisoned), releases applied: uncontended calls
@@ -346,13 +347,15 @@ impl ManagerCore {
         if !self.python_policy && keys.len() >= DETACH_MIN_KEYS {
             let out = py.detach(|| {
                 let mut m = applied(self.inner.lock().map_err(|_| LockError::Poisoned)?);
-                // Detached, other threads run: their completions stay lock-free.
-                m.set_exclusive(false);
                 let mut s = match state {
                     Some(st) => Some(st.inner.lock().map_err(|_| LockError::Poisoned)?),
                     None => None,
                 };
-                Ok(f(&mut m, s.as_deref_mut()))
+                // Detached, other threads run: their completions stay lock-free meanwhile.
+                m.set_exclusive(false);
+                let out = f(&mut m, s.as_deref_mut());
+                m.set_exclusive(self.exclusive_pins);
+                Ok(out)
             });
             return out.map(|r| (r, None)).map_err(|e: LockError| e.into_py(py));
         }
@@ -362,9 +365,6 @@ impl ManagerCore {
             None => None,
         };
         if !self.python_policy {
-            // Attached: pins without compare-and-swap when the interpreter has a GIL (see
-            // `gil`); free-threaded, lock-free releases are the point of the table.
-            m.set_exclusive(self.gil);
             return Ok((f(&mut m, s.as_deref_mut()), None));
         }
         self.busy.store(thread_mark(), Ordering::Release);
@@ -629,10 +629,15 @@ impl ManagerCore {
         };
         let mut inner = inner.map_err(|e| to_py(py, e))?;
         inner.set_clock_source(liveness.source());
+        // Calls with a built-in policy pin without compare-and-swap when the interpreter has
+        // a GIL; free-threaded, lock-free releases are the point of the table. Detached calls
+        // turn it off for their duration (`policy_call`).
+        let exclusive_pins = gil_enabled(py)? && !python_policy;
+        inner.set_exclusive(exclusive_pins);
         let table = inner.shared_table();
         Ok(Self {
             table,
-            gil: gil_enabled(py)?,
+            exclusive_pins,
             inner: Mutex::new(Core {
                 manager: inner,
                 keys: Vec::new(),
@@ -749,7 +754,6 @@ impl ManagerCore {
         if !self.python_policy {
             if let Some(mut m) = uncontended(&self.inner) {
                 let hints = m.memo.hints(&addrs);
-                m.set_exclusive(self.gil);
                 return m
                     .complete_load_hinted(slices, &hints)
                     .map_err(|e| to_py(py, e));
