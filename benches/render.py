@@ -355,9 +355,24 @@ def _floor_extra(fl: dict[str, Any] | None) -> tuple[int, int, float] | None:
     return int(sizes[0]), int(sizes[-1]), float(minimal[-1] - minimal[0])
 
 
+def _out_of_reach(
+    floor: tuple[int, int, float] | None, smallest: int, largest: int, cost: float
+) -> bool:
+    """Whether an operation costing ``cost`` ns a key at ``smallest`` chunks cannot stay within
+    ``FLAT_TARGET`` of it at ``largest`` by the memory floor (run over the same sizes): it
+    would need to cost at least ``extra / (FLAT_TARGET - 1)``."""
+    return (
+        floor is not None
+        and (floor[0], floor[1]) == (smallest, largest)
+        and cost < floor[2] / (FLAT_TARGET - 1)
+    )
+
+
 def _floor(fl: dict[str, Any], sc: dict[str, Any] | None) -> list[str]:
     sizes, minimal, table = fl["sizes"], fl["minimal_ns"], fl["table_ns"]
-    extra = minimal[-1] - minimal[0]
+    floor = _floor_extra(fl)
+    assert floor is not None
+    extra = floor[2]
     out = [
         "## Memory floor of a lookup against pool size",
         "",
@@ -384,7 +399,7 @@ def _floor(fl: dict[str, Any], sc: dict[str, Any] | None) -> list[str]:
         "its index is built: each operation measured here reads at least one line per key at a "
         "random place (an index entry, or a policy node's neighbour)."
     )
-    cheap = _cheap_ops(sc, (int(sizes[0]), int(sizes[-1]), extra))
+    cheap = _cheap_ops(sc, floor)
     if cheap:
         text += (
             " kvoffload's operations cheaper than that at the smallest pool in this run, and so "
@@ -394,19 +409,20 @@ def _floor(fl: dict[str, Any], sc: dict[str, Any] | None) -> list[str]:
 
 
 def _cheap_ops(sc: dict[str, Any] | None, floor: tuple[int, int, float]) -> list[str]:
-    """kvoffload's operations whose smallest-pool cost is below what the floor allows (when
-    the pool-size table spans the same sizes as the floor run)."""
+    """kvoffload's operations out of the pool-size target's reach by the memory floor."""
     if not sc or "sizes" not in sc:
         return []
-    smallest, largest, extra = floor
-    need = extra / (FLAT_TARGET - 1)
     cheap = []
     for policy, per_size in sc["sizes"]["ns_per_key"].items():
         sizes = sorted(int(n) for n, row in per_size.items() if "rust" in row)
-        if not sizes or (sizes[0], sizes[-1]) != (smallest, largest):
+        if not sizes:
             continue
-        first = per_size[str(smallest)]["rust"]
-        ops = [f"{op} {_ns(first[op])} ns" for op in OPERATIONS if first[op] < need]
+        first = per_size[str(sizes[0])]["rust"]
+        ops = [
+            f"{op} {_ns(first[op])} ns"
+            for op in OPERATIONS
+            if _out_of_reach(floor, sizes[0], sizes[-1], first[op])
+        ]
         if ops:
             cheap.append(f"{policy} " + ", ".join(ops))
     return cheap
@@ -459,11 +475,8 @@ def _scaling(
                     if impl == "rust":
                         verdict = _met(ratio <= FLAT_TARGET)
                         first = per_size[have[0]][impl][op]
-                        if (
-                            ratio > FLAT_TARGET
-                            and floor is not None
-                            and (floor[0], floor[1]) == (int(have[0]), int(have[-1]))
-                            and first < floor[2] / (FLAT_TARGET - 1)
+                        if ratio > FLAT_TARGET and _out_of_reach(
+                            floor, int(have[0]), int(have[-1]), first
                         ):
                             verdict += " (out of reach: see Memory floor)"
                         targets.append(
