@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// A key object or a slot: one cache line.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Copy)]
 #[repr(C, align(64))]
 struct Line([u64; 8]);
 
