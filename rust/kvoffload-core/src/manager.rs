@@ -16,7 +16,7 @@ use crate::policy::{
 use crate::pool::{ChunkId, ChunkPool};
 use crate::request::{RequestState, INSERTED, REPORTED, REUSED};
 use crate::sketch::{sketch_hash, FrequencySketch};
-use crate::table::{ChunkState, ChunkTable, Slots};
+use crate::table::{ChunkState, ChunkTable, Slots, MAX_KEY_LEN};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -1368,11 +1368,8 @@ fn check_positions(keys: &[&[u8]], positions: Option<&[Option<i64>]>) -> Result<
     Ok(())
 }
 
-/// Longest key a chunk can hold: slots and ghost entries keep a key's length in 32 bits.
-const MAX_KEY_LEN: usize = u32::MAX as usize;
-
-/// Reject an offer with a key of 4 GiB or more (`lens`: the keys' lengths, in order), which no
-/// slot could hold.
+/// Reject an offer with a key longer than a slot can hold ([`MAX_KEY_LEN`]; `lens`: the keys'
+/// lengths, in order).
 fn check_key_lengths(mut lens: impl Iterator<Item = usize>) -> Result<()> {
     match lens.position(|n| n > MAX_KEY_LEN) {
         Some(i) => Err(CoreError::InvalidArgument(format!(

@@ -63,6 +63,9 @@ pub enum ChunkState {
 
 /// Key bytes a slot holds inline; the rest of a longer key stays with the writer's [`Slots`].
 pub const INLINE_KEY: usize = 40;
+/// Longest key a slot can hold: it keeps the length in 32 bits (so do ARC's ghost entries).
+/// The manager refuses longer keys before it changes anything.
+pub const MAX_KEY_LEN: usize = u32::MAX as usize;
 const WORDS: usize = INLINE_KEY / 8;
 
 /// State codes (the low 32 bits of a state word).
@@ -850,6 +853,7 @@ impl Slots {
         slot.state.store(word(seq | 1, ABSENT), Ordering::Relaxed);
         fence(Ordering::Release);
         slot.hash.store(hash, Ordering::Relaxed);
+        debug_assert!(key.len() <= MAX_KEY_LEN, "a key too long for a slot");
         slot.len.store(key.len() as u32, Ordering::Relaxed);
         for (w, x) in slot.words.iter().zip(key_words(key)) {
             w.store(x, Ordering::Relaxed);
