@@ -33,15 +33,27 @@ enum List {
     T2,
 }
 
+/// A chunk's list and whether it is evictable (neither pinned nor pending).
+#[derive(Debug, Clone, Copy)]
+struct Info {
+    list: List,
+    evictable: bool,
+}
+
+const NO_INFO: Info = Info {
+    list: List::None,
+    evictable: false,
+};
+
 /// ARC over `capacity` chunk slots.
 #[derive(Debug, Clone)]
 pub struct ArcPolicy {
     capacity: usize,
     target: f64,
-    /// Which list each chunk is in. Its sequence number there is kept by that list's order
-    /// (`last_key`), the one copy.
-    list: Vec<List>,
-    evictable: Vec<bool>,
+    /// Each chunk's list and whether it is evictable, side by side (a pin or a release reads
+    /// both: one cache line, not two). Its sequence number in the list is kept by that list's
+    /// order (`last_key`), the one copy.
+    info: Vec<Info>,
     t1_len: usize,
     t2_len: usize,
     /// Evictable T1 entries by sequence number (oldest first; pinned and pending ones held).
@@ -65,8 +77,7 @@ impl ArcPolicy {
         Self {
             capacity: capacity as usize,
             target: 0.0,
-            list: Vec::new(),
-            evictable: Vec::new(),
+            info: Vec::new(),
             t1_len: 0,
             t2_len: 0,
             t1_evictable: EvictionOrder::new(),
@@ -109,7 +120,7 @@ impl ArcPolicy {
     /// Evict `c` from its list (a ghost of it in `ghost`, if any).
     fn drop_chunk(&mut self, c: ChunkId, ghost: bool, keys: &Slots, out: &mut Vec<ChunkId>) {
         let l = self.unlink(c);
-        self.evictable[c as usize] = false;
+        self.info[c as usize].evictable = false;
         if ghost {
             let list = if l == List::T1 {
                 GhostList::B1
@@ -198,7 +209,7 @@ impl ArcPolicy {
 
     fn unlink(&mut self, chunk: ChunkId) -> List {
         let i = chunk as usize;
-        let l = self.list[i];
+        let l = self.info[i].list;
         if l != List::None {
             // A member, or a pinned chunk held in place.
             self.order_of_mut(l).remove(chunk);
@@ -208,13 +219,13 @@ impl ArcPolicy {
             List::T2 => self.t2_len -= 1,
             List::None => {}
         }
-        self.list[i] = List::None;
+        self.info[i].list = List::None;
         l
     }
 
     /// Start loading `chunk`'s entry in the order of its list; changes nothing.
     fn prefetch_order_entry(&self, chunk: ChunkId) {
-        match self.list.get(chunk as usize) {
+        match self.info.get(chunk as usize).map(|x| &x.list) {
             Some(List::T1) => self.t1_evictable.prefetch(chunk),
             Some(List::T2) => self.t2_evictable.prefetch(chunk),
             _ => {}
@@ -223,7 +234,7 @@ impl ArcPolicy {
 
     /// Start loading the neighbours of `chunk` in the order of its list; changes nothing.
     fn prefetch_neighbours(&self, chunk: ChunkId) {
-        match self.list.get(chunk as usize) {
+        match self.info.get(chunk as usize).map(|x| &x.list) {
             Some(List::T1) => self.t1_evictable.prefetch_neighbours(chunk),
             Some(List::T2) => self.t2_evictable.prefetch_neighbours(chunk),
             _ => {}
@@ -235,13 +246,16 @@ impl ArcPolicy {
         self.next_seq += 1;
         let seq = self.next_seq;
         let i = chunk as usize;
-        if l != List::None && self.list[i] == l && self.order_of_mut(l).move_to_tail(chunk, seq) {
+        if l != List::None
+            && self.info[i].list == l
+            && self.order_of_mut(l).move_to_tail(chunk, seq)
+        {
             // Within its list: to the tail as it is (a member stays one, a held entry stays
             // held); the list's count is unchanged.
             return;
         }
         self.unlink(chunk);
-        self.list[i] = l;
+        self.info[i].list = l;
         match l {
             List::T1 => self.t1_len += 1,
             List::T2 => self.t2_len += 1,
@@ -250,7 +264,7 @@ impl ArcPolicy {
         // The newest sequence number sorts last: straight to the tail. Pending or pinned: held
         // there, so `mark_evictable` releases it in place (O(1)) rather than inserting it below
         // newer entries, into the tree.
-        let held = !self.evictable[i];
+        let held = !self.info[i].evictable;
         self.order_of_mut(l).push_last(chunk, seq, held);
     }
 
@@ -273,8 +287,8 @@ impl ArcPolicy {
     }
 
     fn ordered(&self, l: List) -> Vec<ChunkId> {
-        let mut v: Vec<(u64, ChunkId)> = (0..self.list.len())
-            .filter(|&i| self.list[i] == l)
+        let mut v: Vec<(u64, ChunkId)> = (0..self.info.len())
+            .filter(|&i| self.info[i].list == l)
             .map(|i| (self.order_of(l).last_key(i as ChunkId), i as ChunkId))
             .collect();
         v.sort_unstable();
@@ -292,16 +306,15 @@ fn next_victim(
 
 impl CachePolicy for ArcPolicy {
     fn grow(&mut self, n: usize) {
-        if n > self.list.len() {
-            self.list.resize(n, List::None);
-            self.evictable.resize(n, false);
+        if n > self.info.len() {
+            self.info.resize(n, NO_INFO);
             self.t1_evictable.grow(n);
             self.t2_evictable.grow(n);
         }
     }
 
     fn insert(&mut self, chunk: ChunkId, key: Access<'_>, _rank: &mut RequestRank) {
-        self.evictable[chunk as usize] = false;
+        self.info[chunk as usize].evictable = false;
         self.push_newest(chunk, List::T1);
         self.ghosts.remove(key.key, key.hash);
         if self
@@ -318,7 +331,7 @@ impl CachePolicy for ArcPolicy {
 
     fn remove(&mut self, chunk: ChunkId) {
         self.unlink(chunk);
-        self.evictable[chunk as usize] = false;
+        self.info[chunk as usize].evictable = false;
     }
 
     fn touch(&mut self, keys: &[Access<'_>], refs: &Slots) {
@@ -335,7 +348,7 @@ impl CachePolicy for ArcPolicy {
             }
         }
         for a in keys.iter().rev() {
-            match a.chunk.map(|c| (c, self.list[c as usize])) {
+            match a.chunk.map(|c| (c, self.info[c as usize].list)) {
                 Some((c, List::T1)) => {
                     let to = if refs.raw(c) >= 0 { List::T2 } else { List::T1 };
                     self.push_newest(c, to);
@@ -367,7 +380,7 @@ impl CachePolicy for ArcPolicy {
 
     fn prefetch(&self, chunk: ChunkId) {
         // Which order holds the chunk is itself behind a miss: fetch the list entry only.
-        if let Some(x) = self.list.get(chunk as usize) {
+        if let Some(x) = self.info.get(chunk as usize).map(|x| &x.list) {
             crate::mem::prefetch(x);
         }
     }
@@ -377,7 +390,7 @@ impl CachePolicy for ArcPolicy {
     fn on_request_finished(&mut self, keys: &[FinishedKey<'_>]) {
         for k in keys.iter().rev() {
             let Some(c) = k.chunk else { continue };
-            let l = self.list[c as usize];
+            let l = self.info[c as usize].list;
             if k.inserted_only {
                 self.push_newest(c, l);
             } else if k.reused {
@@ -448,7 +461,7 @@ impl CachePolicy for ArcPolicy {
             } else {
                 GhostList::B2
             };
-            self.evictable[c as usize] = false;
+            self.info[c as usize].evictable = false;
             push_ghost(&mut self.ghosts, list, keys, c);
         }
         for list in [GhostList::B1, GhostList::B2] {
@@ -460,8 +473,7 @@ impl CachePolicy for ArcPolicy {
     }
 
     fn clear(&mut self) {
-        self.list.clear();
-        self.evictable.clear();
+        self.info.clear();
         self.t1_len = 0;
         self.t2_len = 0;
         self.t1_evictable.clear();
@@ -473,9 +485,9 @@ impl CachePolicy for ArcPolicy {
 
     fn mark_evictable(&mut self, chunk: ChunkId) {
         let i = chunk as usize;
-        debug_assert!(!self.evictable[i]);
-        self.evictable[i] = true;
-        let l = self.list[i];
+        debug_assert!(!self.info[i].evictable);
+        self.info[i].evictable = true;
+        let l = self.info[i].list;
         if l != List::None {
             let seq = self.order_of(l).last_key(chunk);
             self.order_of_mut(l).release(chunk, seq);
@@ -484,9 +496,9 @@ impl CachePolicy for ArcPolicy {
 
     fn mark_non_evictable(&mut self, chunk: ChunkId) {
         let i = chunk as usize;
-        debug_assert!(self.evictable[i]);
-        self.evictable[i] = false;
-        let l = self.list[i];
+        debug_assert!(self.info[i].evictable);
+        self.info[i].evictable = false;
+        let l = self.info[i].list;
         if l != List::None {
             self.order_of_mut(l).hold(chunk);
         }
@@ -504,12 +516,12 @@ impl CachePolicy for ArcPolicy {
 
     fn validate(&self, resident: &[bool], refs: &Slots) -> Result<()> {
         ensure!(
-            resident.len() == self.list.len(),
+            resident.len() == self.info.len(),
             "arc: per-chunk arrays differ in length"
         );
         let (mut t1, mut t2, mut e1, mut e2) = (0, 0, 0, 0);
         for (i, &res) in resident.iter().enumerate() {
-            let l = self.list[i];
+            let l = self.info[i].list;
             let seq = self.order_of(l).last_key(i as ChunkId);
             ensure!(
                 res == (l != List::None),
@@ -517,9 +529,9 @@ impl CachePolicy for ArcPolicy {
             );
             let ev = res && refs.raw(i as ChunkId) == 0;
             ensure!(
-                self.evictable[i] == ev,
+                self.info[i].evictable == ev,
                 "arc: chunk {i} evictable flag is {}",
-                self.evictable[i]
+                self.info[i].evictable
             );
             match l {
                 List::T1 => t1 += 1,
