@@ -105,7 +105,13 @@ fn pins_of(code: u32) -> u32 {
 /// The key's bytes as the words a slot stores (zero past the end).
 #[inline]
 fn key_words(key: &[u8]) -> [u64; WORDS] {
-    let inline = &key[..key.len().min(INLINE_KEY)];
+    let n = key.len();
+    if n > INLINE_KEY - 8 && n <= INLINE_KEY {
+        // vLLM's keys (36 bytes): four whole words and a partial fifth, without a loop.
+        let w = |at: usize| u64::from_le_bytes(key[at..at + 8].try_into().unwrap_or_default());
+        return [w(0), w(8), w(16), w(24), w(n - 8) >> (8 * (INLINE_KEY - n))];
+    }
+    let inline = &key[..n.min(INLINE_KEY)];
     let mut w = [0u64; WORDS];
     for (i, x) in w.iter_mut().enumerate().take(inline.len().div_ceil(8)) {
         *x = word_at(inline, i);
@@ -220,8 +226,18 @@ impl Slot {
         if self.len.load(Ordering::Relaxed) as usize != n {
             return Match::No;
         }
+        if n > INLINE_KEY - 8 && n <= INLINE_KEY {
+            // vLLM's keys (36 bytes): four whole words and a partial fifth, compared without
+            // a branch per word.
+            let w = |at: usize| u64::from_le_bytes(key[at..at + 8].try_into().unwrap_or_default());
+            let tail = w(n - 8) >> (8 * (INLINE_KEY - n));
+            let s = |i: usize| self.words[i].load(Ordering::Relaxed);
+            let diff =
+                (s(0) ^ w(0)) | (s(1) ^ w(8)) | (s(2) ^ w(16)) | (s(3) ^ w(24)) | (s(4) ^ tail);
+            return if diff == 0 { Match::Yes } else { Match::No };
+        }
         if (8..=INLINE_KEY).contains(&n) {
-            // The common shape (vLLM's keys are 36 bytes): whole words straight from the key,
+            // Other keys of a word or more: whole words straight from the key,
             // then a partial last word as the key's last 8 bytes shifted down (see `word_at`).
             let whole = key.chunks_exact(8);
             let rest = whole.remainder().len();
@@ -1295,9 +1311,13 @@ mod tests {
             put(&mut t, 0, key);
             assert_eq!(t.find(key, hash_key(key)), Some(0), "key of {n} bytes");
             if n > 0 {
-                let mut other = key.to_vec();
-                other[n.min(INLINE_KEY) - 1] ^= 1; // a byte the slot holds inline
-                assert!(matches!(t.slot(0).holds(&other), Match::No));
+                // Any byte the slot holds inline, flipped, or one byte fewer: no match.
+                for at in 0..n.min(INLINE_KEY) {
+                    let mut other = key.to_vec();
+                    other[at] ^= 1;
+                    assert!(matches!(t.slot(0).holds(&other), Match::No), "{n}: {at}");
+                    assert!(t.find(&other, hash_key(&other)).is_none(), "{n}: {at}");
+                }
                 assert!(matches!(t.slot(0).holds(&key[..n - 1]), Match::No));
             }
         }
