@@ -111,16 +111,24 @@ pub fn hash_key(key: &[u8]) -> u64 {
         a ^= word(key, len - 16);
         b ^= word(key, len - 8);
     } else {
-        let mut at = 0;
-        while len - at > 16 {
-            a = fold(word(key, at) ^ a, word(key, at + 8) ^ M1);
-            at += 16;
-        }
-        // The last 16 bytes, overlapping what the loop read.
-        a ^= word(key, len - 16);
-        b ^= word(key, len - 8);
+        (a, b) = mix_long(key, a, b);
     }
     fold(fold(a, b) ^ len as u64, M2)
+}
+
+/// [`hash_key`]'s mixing of a key of more than 16 bytes into `(a, b)`: 16 bytes a multiply,
+/// then the last 16 bytes (overlapping what the loop read).
+#[inline]
+fn mix_long(key: &[u8], mut a: u64, mut b: u64) -> (u64, u64) {
+    let len = key.len();
+    let mut at = 0;
+    while len - at > 16 {
+        a = fold(word(key, at) ^ a, word(key, at + 8) ^ M1);
+        at += 16;
+    }
+    a ^= word(key, len - 16);
+    b ^= word(key, len - 8);
+    (a, b)
 }
 
 /// The KV-group index of a key: its last (up to) 4 bytes read as a big-endian unsigned int.
@@ -258,16 +266,8 @@ mod tests {
     #[test]
     fn unrolled_hash_matches_the_loop() {
         fn looped(key: &[u8]) -> u64 {
-            let len = key.len();
-            let (mut a, mut b) = (SEED, M0);
-            let mut at = 0;
-            while len - at > 16 {
-                a = fold(word(key, at) ^ a, word(key, at + 8) ^ M1);
-                at += 16;
-            }
-            a ^= word(key, len - 16);
-            b ^= word(key, len - 8);
-            fold(fold(a, b) ^ len as u64, M2)
+            let (a, b) = mix_long(key, SEED, M0);
+            fold(fold(a, b) ^ key.len() as u64, M2)
         }
         let base: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(101) ^ 0x5a).collect();
         for len in 17..=64 {
