@@ -103,7 +103,7 @@ fn pins_of(code: u32) -> u32 {
 }
 
 /// The key's bytes as the words a slot stores (zero past the end).
-#[inline]
+#[inline(always)]
 fn key_words(key: &[u8]) -> [u64; WORDS] {
     let n = key.len();
     if n > INLINE_KEY - 8 && n <= INLINE_KEY {

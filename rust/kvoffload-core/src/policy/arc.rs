@@ -207,6 +207,7 @@ impl ArcPolicy {
         }
     }
 
+    #[inline(always)]
     fn unlink(&mut self, chunk: ChunkId) -> List {
         let i = chunk as usize;
         let l = self.info[i].list;

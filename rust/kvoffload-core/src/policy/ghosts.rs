@@ -363,7 +363,7 @@ impl GhostLists {
 
     /// The entry of `key`, as `Ok((index word position, entry))`, or `Err(the empty word where
     /// it would go)`.
-    #[inline]
+    #[inline(always)]
     fn probe(&self, key: &[u8], hash: u64) -> std::result::Result<(usize, u32), usize> {
         let mask = self.index.len() - 1;
         let tag = hash >> 32;
