@@ -599,8 +599,11 @@ def _scaling(
             "",
             "Bytes per resident chunk, each figure from a fresh process that made its keys first "
             "(so the key objects are not counted) and then filled the manager: the RSS growth "
-            "over the fill, and what `tracemalloc` traced in a second process (Python "
-            "allocations only: near zero for kvoffload, whose state is in Rust).",
+            "over the fill, with the C heap's free pages handed back to the system before and "
+            "after it (glibc's `malloc_trim`, so that neither the garbage of making the keys nor "
+            "the fill's per-request state, freed with its contexts, counts), and what "
+            "`tracemalloc` traced in a second process (Python allocations only: near zero for "
+            "kvoffload, whose state is in Rust).",
             "",
         ]
         rows = []

@@ -10,9 +10,12 @@ GC paused) and written as one JSON document:
   completed, picked at random), at ``--chunks``;
 - ``batch``: ns per key of store, load and ``lookup_prefix`` against the keys per call;
 - ``memory``: bytes per resident chunk, in a fresh subprocess per implementation: the RSS delta of
-  filling ``--memory-chunks`` chunks (keys made beforehand, so the key objects are not counted)
-  and, in a second subprocess, what ``tracemalloc`` sees of the same fill (Python allocations
-  only: for kvoffload that is the Python objects it makes, not its Rust state).
+  filling ``--memory-chunks`` chunks (keys made beforehand, so the key objects are not counted),
+  with the C heap's free pages handed back to the system at both ends (glibc's ``malloc_trim``,
+  where there is one), so that neither the garbage of making the keys nor that of the fill's
+  request states counts; and, in a second subprocess, what ``tracemalloc`` sees of the same
+  fill (Python allocations only: for kvoffload that is the Python objects it makes, not its
+  Rust state).
 
     python benches/scaling.py --json scaling.json                 # everything, quick sizes
     python benches/scaling.py --only sizes --sizes 1000,10000000 --python-max 100000
@@ -21,6 +24,7 @@ GC paused) and written as one JSON document:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -159,6 +163,24 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _release_free_heap() -> None:
+    """Collect garbage and hand the C heap's free pages back to the system (glibc only).
+
+    Without it the RSS delta counts freed memory that the allocator kept: pages freed before
+    the baseline (making the keys) that the fill reuses make the delta smaller, and pages of the
+    fill's per-request state, freed with the contexts, make it larger.
+    """
+    gc.collect()
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return
+    trim(0)
+
+
 def memory_child(impl: str, policy: str, chunks: int, mode: str) -> dict[str, float]:
     """Fill a fresh manager with ``chunks`` ready chunks; bytes per chunk it holds (one process)."""
     import tracemalloc
@@ -166,7 +188,7 @@ def memory_child(impl: str, policy: str, chunks: int, mode: str) -> dict[str, fl
     cls, ctx_cls = manager_and_context(impl)
     keys = make_keys(chunks, seed=3)
     contexts = [ctx_cls(f"fill-{lo}") for lo in range(0, chunks, FILL_BATCH)]
-    gc.collect()
+    _release_free_heap()
     if mode == "tracemalloc":
         tracemalloc.start()
     before = _rss_bytes()
@@ -176,7 +198,7 @@ def memory_child(impl: str, policy: str, chunks: int, mode: str) -> dict[str, fl
         manager.prepare_store(batch, ctx)
         manager.complete_store(batch, ctx)
     del contexts  # per-request state hangs off the contexts, not the manager
-    gc.collect()
+    _release_free_heap()
     if mode == "tracemalloc":
         current, _ = tracemalloc.get_traced_memory()
         tracemalloc.stop()
