@@ -103,6 +103,8 @@ fn pins_of(code: u32) -> u32 {
 }
 
 /// The key's bytes as the words a slot stores (zero past the end).
+// Kept out of line by the compiler on the lock-free probe's path (a call per key).
+#[allow(clippy::inline_always)]
 #[inline(always)]
 fn key_words(key: &[u8]) -> [u64; WORDS] {
     let n = key.len();
