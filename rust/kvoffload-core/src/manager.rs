@@ -1230,6 +1230,9 @@ impl Manager {
         req.added.clear();
         req.added.reserve(which.len());
         let mut new: Scratch<Access<'_>> = SmallVec::new();
+        // The keys go to the policy only if it reads them (LRU without positions, ARC: not).
+        let listed = self.policy.reads_access_keys(call.positions.is_some());
+        let mut any = false;
         for &i in which {
             if call.slots[i].is_none() {
                 // A key repeated within the call was added by its first occurrence.
@@ -1242,10 +1245,13 @@ impl Manager {
                 }
                 call.slots[i] = Some(req.add(k, h, resident[i]) as u32);
                 req.added.push(i as u32);
-                new.push(call.access(i, resident[i]));
+                any = true;
+                if listed {
+                    new.push(call.access(i, resident[i]));
+                }
             }
         }
-        if !new.is_empty() {
+        if any {
             self.policy.on_request_access(&new, &mut req.rank);
         }
         !self.policy_failed()

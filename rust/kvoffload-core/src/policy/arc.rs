@@ -388,6 +388,10 @@ impl CachePolicy for ArcPolicy {
         }
     }
 
+    fn reads_access_keys(&self, _positions: bool) -> bool {
+        false
+    }
+
     fn on_request_access(&mut self, _keys: &[Access<'_>], _rank: &mut RequestRank) {}
 
     fn on_request_finished(&mut self, keys: &[FinishedKey<'_>]) {

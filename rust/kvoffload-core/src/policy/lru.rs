@@ -129,6 +129,11 @@ impl CachePolicy for LruPolicy {
         self.order.prefetch(chunk);
     }
 
+    /// Only keys with a position are re-ranked (the request rank is taken either way).
+    fn reads_access_keys(&self, positions: bool) -> bool {
+        positions
+    }
+
     fn on_request_access(&mut self, keys: &[Access<'_>], rank: &mut RequestRank) {
         let request_rank = self.request_rank(rank);
         for a in keys {

@@ -130,6 +130,12 @@ pub trait CachePolicy: Send {
     fn on_request_access(&mut self, keys: &[Access<'_>], _rank: &mut RequestRank) {
         self.hit(keys);
     }
+    /// Whether [`on_request_access`](Self::on_request_access) reads the keys it is given in a
+    /// call whose keys have token positions (`positions`) or have none. When it does not, the
+    /// manager passes an empty list rather than build one per call (default: it does).
+    fn reads_access_keys(&self, _positions: bool) -> bool {
+        true
+    }
     /// A hit on the resident keys among `keys`: what kvoffload's own policies do on a touch or
     /// a request's first access, through the defaults of those two (default: nothing).
     fn hit(&mut self, _keys: &[Access<'_>]) {}
