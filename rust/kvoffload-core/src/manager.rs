@@ -1232,7 +1232,6 @@ impl Manager {
         let mut new: Scratch<Access<'_>> = SmallVec::new();
         // The keys go to the policy only if it reads them (LRU without positions, ARC: not).
         let listed = self.policy.reads_access_keys(call.positions.is_some());
-        let mut any = false;
         for &i in which {
             if call.slots[i].is_none() {
                 // A key repeated within the call was added by its first occurrence.
@@ -1245,13 +1244,12 @@ impl Manager {
                 }
                 call.slots[i] = Some(req.add(k, h, resident[i]) as u32);
                 req.added.push(i as u32);
-                any = true;
                 if listed {
                     new.push(call.access(i, resident[i]));
                 }
             }
         }
-        if any {
+        if !req.added.is_empty() {
             self.policy.on_request_access(&new, &mut req.rank);
         }
         !self.policy_failed()

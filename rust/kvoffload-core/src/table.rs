@@ -230,7 +230,8 @@ impl Slot {
         }
         if n > INLINE_KEY - 8 && n <= INLINE_KEY {
             // vLLM's keys (36 bytes): four whole words and a partial fifth, compared without
-            // a branch per word.
+            // a branch per word. The words `key_words` builds, read here in place: comparing
+            // against `key_words(key)` measured 5-10 instructions a lookup more (callgrind).
             let w = |at: usize| u64::from_le_bytes(key[at..at + 8].try_into().unwrap_or_default());
             let tail = w(n - 8) >> (8 * (INLINE_KEY - n));
             let s = |i: usize| self.words[i].load(Ordering::Relaxed);

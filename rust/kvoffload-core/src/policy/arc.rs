@@ -228,7 +228,7 @@ impl ArcPolicy {
 
     /// Start loading `chunk`'s entry in the order of its list; changes nothing.
     fn prefetch_order_entry(&self, chunk: ChunkId) {
-        match self.info.get(chunk as usize).map(|x| &x.list) {
+        match self.info.get(chunk as usize).map(|x| x.list) {
             Some(List::T1) => self.t1_evictable.prefetch(chunk),
             Some(List::T2) => self.t2_evictable.prefetch(chunk),
             _ => {}
@@ -237,7 +237,7 @@ impl ArcPolicy {
 
     /// Start loading the neighbours of `chunk` in the order of its list; changes nothing.
     fn prefetch_neighbours(&self, chunk: ChunkId) {
-        match self.info.get(chunk as usize).map(|x| &x.list) {
+        match self.info.get(chunk as usize).map(|x| x.list) {
             Some(List::T1) => self.t1_evictable.prefetch_neighbours(chunk),
             Some(List::T2) => self.t2_evictable.prefetch_neighbours(chunk),
             _ => {}
@@ -383,7 +383,7 @@ impl CachePolicy for ArcPolicy {
 
     fn prefetch(&self, chunk: ChunkId) {
         // Which order holds the chunk is itself behind a miss: fetch the list entry only.
-        if let Some(x) = self.info.get(chunk as usize).map(|x| &x.list) {
+        if let Some(x) = self.info.get(chunk as usize) {
             crate::mem::prefetch(x);
         }
     }
