@@ -148,6 +148,26 @@ def test_view_errors() -> None:
             pool.chunk(-1)
 
 
+def test_a_subarray_dtype_views_as_its_base_over_trailing_dims() -> None:
+    """Found by hypothesis: ``("<u2", (2,))`` reached numpy's ``view``, which refuses subarray
+    dtypes with a ValueError from outside kvoffload's tree. Laid out as numpy lays out an array
+    made with one: the base dtype, the subarray's shape appended."""
+    sub = np.dtype(("<u2", (2,)))
+    with HostPool(4, 64, register_cuda=False) as pool:
+        typed = pool.typed_view(sub, (16,))
+        assert typed.shape == (4, 16, 2)
+        assert typed.dtype == np.uint16
+        assert typed.shape == np.zeros((4, 16), sub).shape
+        one = pool.chunk(1, dtype=sub)
+        assert one.shape == (16, 2)
+        assert one.dtype == np.uint16
+        one[3, 1] = 0xABCD
+        assert typed[1, 3, 1] == 0xABCD
+        assert pool.view()[1].view(np.uint16)[3 * 2 + 1] == 0xABCD
+        with pytest.raises(InvalidArgumentError):
+            pool.typed_view(sub, (15,))
+
+
 @pytest.mark.parametrize("dtype", ["a", b"a", "a4"])
 def test_dtypes_numpy_deprecates_are_refused_without_a_warning(dtype: Any) -> None:
     """Found by hypothesis on CPython 3.13t: ``b"a"`` got to numpy, whose DeprecationWarning

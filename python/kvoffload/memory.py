@@ -341,6 +341,11 @@ class HostPool:
                 f"{dt}{list(dims)} is {math.prod(dims) * dt.itemsize} bytes, not one "
                 f"{self.chunk_bytes}-byte chunk"
             )
+        if dt.subdtype is not None:
+            # A subarray dtype (``("<u2", (2,))``) is its base over trailing dimensions, as
+            # numpy lays out arrays made with one (a view cannot take it directly).
+            base, sub = dt.subdtype
+            dt, dims = base, (*dims, *sub)
         return self.view().view(dt).reshape(self.num_chunks, *dims)
 
     def chunk(
