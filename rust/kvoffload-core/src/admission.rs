@@ -8,7 +8,7 @@
 //! tracked.
 
 use crate::error::{ensure, Result};
-use crate::key::{KeyBuf, KeyHasher};
+use crate::key::{key_buf, KeyBuf, KeyHasher};
 use hashlink::LinkedHashMap;
 
 /// Offer counts of recently offered keys, at most `capacity` of them.
@@ -102,8 +102,7 @@ impl AdmissionTracker {
                 self.counts.pop_front();
                 unprotected -= 1;
             }
-            self.counts
-                .insert(KeyBuf::from_slice(key), Entry { count: 1, offer });
+            self.counts.insert(key_buf(key), Entry { count: 1, offer });
         }
     }
 

@@ -6,6 +6,23 @@ use std::hash::{BuildHasher, Hasher};
 /// Owned key bytes. A 32-byte hash plus the 4-byte group index fits inline (no allocation).
 pub type KeyBuf = SmallVec<[u8; 40]>;
 
+/// `key` as a [`KeyBuf`]. A key of 33-40 bytes (vLLM's are 36) is copied as its first 32 and
+/// last 8 bytes, two fixed-size copies, instead of by a `memcpy` call of its length.
+#[inline]
+#[must_use]
+pub fn key_buf(key: &[u8]) -> KeyBuf {
+    let n = key.len();
+    if let (Some(head), Some(tail)) = (key.first_chunk::<32>(), key.last_chunk::<8>()) {
+        if n <= 40 {
+            let mut buf = [0u8; 40];
+            buf[..32].copy_from_slice(head);
+            buf[n - 8..n].copy_from_slice(tail);
+            return KeyBuf::from_buf_and_len(buf, n);
+        }
+    }
+    KeyBuf::from_slice(key)
+}
+
 /// The hasher of the crate's hash maps keyed by key bytes ([`KeyBuf`]) or by numbers. A byte
 /// string hashes to exactly [`hash_key`] of it, so a map may be probed with a hash computed
 /// once per call (`from_key_hashed_nocheck`). Keys are block hashes already, so a fast
@@ -287,6 +304,18 @@ mod tests {
             KeyHasher.hash_one((1u64, 2u64)),
             KeyHasher.hash_one((2u64, 1u64))
         );
+    }
+
+    /// `key_buf` copies every key exactly, its two-copy path (33-40 bytes) included, inline
+    /// up to the buffer's 40 bytes.
+    #[test]
+    fn key_buf_copies_every_length() {
+        let base: Vec<u8> = (1..=64u8).map(|i| i.wrapping_mul(37)).collect();
+        for len in 0..=64 {
+            let k = key_buf(&base[..len]);
+            assert_eq!(k.as_slice(), &base[..len], "length {len}");
+            assert_eq!(k.spilled(), len > 40, "length {len}");
+        }
     }
 
     /// Keys that differ only in their zero padding (same words, another length) differ.

@@ -488,8 +488,15 @@ impl Manager {
                 self.slots.check_pin(c, times)?;
             }
         }
-        let mut call = Call::new(keys, &hashes, positions, req, distinct);
-        call.check_may_record(req, 0..keys.len())?;
+        // Only a finished request needs to know now which keys it has seen (it may record no
+        // others); otherwise recording finds each key as it adds the unseen ones.
+        let mut call = if req.finished {
+            let call = Call::new(keys, &hashes, positions, req, distinct);
+            call.check_may_record(req, 0..keys.len())?;
+            call
+        } else {
+            Call::unresolved(keys, &hashes, positions)
+        };
 
         for (n, &c) in chunks.iter().enumerate() {
             if self.slots.pin(c) {
@@ -1234,18 +1241,20 @@ impl Manager {
         let listed = self.policy.reads_access_keys(call.positions.is_some());
         for &i in which {
             if call.slots[i].is_none() {
-                // A key repeated within the call was added by its first occurrence.
+                // Unseen, or not looked up yet; a key repeated within the call is added by its
+                // first occurrence and found by the others.
                 let (k, h) = (call.keys[i], call.hashes[i]);
-                if !call.distinct {
-                    if let Some(j) = req.find(k, h) {
-                        call.slots[i] = Some(j as u32);
-                        continue;
+                let (j, added) = if call.fresh {
+                    (req.add(k, h, resident[i]), true)
+                } else {
+                    req.find_or_add(k, h, resident[i])
+                };
+                call.slots[i] = Some(j as u32);
+                if added {
+                    req.added.push(i as u32);
+                    if listed {
+                        new.push(call.access(i, resident[i]));
                     }
-                }
-                call.slots[i] = Some(req.add(k, h, resident[i]) as u32);
-                req.added.push(i as u32);
-                if listed {
-                    new.push(call.access(i, resident[i]));
                 }
             }
         }
@@ -1291,9 +1300,10 @@ struct Call<'k> {
     keys: &'k [&'k [u8]],
     hashes: &'k [u64],
     positions: Option<&'k [Option<i64>]>,
+    /// Each key's index among the request's seen keys: `None` while unseen, or unresolved.
     slots: Scratch<Option<u32>>,
-    /// No key occurs twice in the call.
-    distinct: bool,
+    /// The slots were looked up and no key occurs twice: a `None` slot is a key to add.
+    fresh: bool,
 }
 
 impl<'k> Call<'k> {
@@ -1317,7 +1327,23 @@ impl<'k> Call<'k> {
             hashes,
             positions,
             slots,
-            distinct,
+            fresh: distinct,
+        }
+    }
+
+    /// A call whose keys are not looked up in the request's state yet: recording resolves
+    /// them (see [`Manager::record_new`]).
+    fn unresolved(
+        keys: &'k [&'k [u8]],
+        hashes: &'k [u64],
+        positions: Option<&'k [Option<i64>]>,
+    ) -> Self {
+        Self {
+            keys,
+            hashes,
+            positions,
+            slots: smallvec::smallvec![None; keys.len()],
+            fresh: false,
         }
     }
 

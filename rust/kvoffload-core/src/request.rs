@@ -5,7 +5,7 @@
 //! reported (passed to the policy's `on_store_miss`). Flags only ever get set. The state is
 //! owned by the request's context, not by the manager, so it goes away with the request.
 
-use crate::key::KeyBuf;
+use crate::key::{key_buf, KeyBuf};
 use crate::policy::RequestRank;
 use crate::pool::ChunkId;
 use hashbrown::{HashSet, HashTable};
@@ -41,6 +41,18 @@ pub(crate) struct SeenKey {
     /// checked against the slot before use, that spares a lookup when the request finishes.
     pub(crate) chunk: ChunkId,
     pub(crate) flags: u8,
+}
+
+impl SeenKey {
+    /// A key just seen, with no flags, at `chunk` if resident.
+    fn new(key: &[u8], hash: u64, chunk: Option<ChunkId>) -> Self {
+        Self {
+            key: key_buf(key),
+            hash,
+            chunk: chunk.unwrap_or(NO_CHUNK),
+            flags: 0,
+        }
+    }
 }
 
 /// [`SeenKey::chunk`] of a key the request has not seen in a chunk.
@@ -142,18 +154,41 @@ impl RequestState {
         }
     }
 
-    /// Add an unseen key; returns its index.
+    /// Add a key the request has not seen; returns its index. Room for it must be reserved.
     pub(crate) fn add(&mut self, key: &[u8], hash: u64, chunk: Option<ChunkId>) -> usize {
         let i = self.seen.len();
-        self.seen.push(SeenKey {
-            key: KeyBuf::from_slice(key),
-            hash,
-            chunk: chunk.unwrap_or(NO_CHUNK),
-            flags: 0,
-        });
+        self.seen.push(SeenKey::new(key, hash, chunk));
         let seen = &self.seen;
         self.table
             .insert_unique(hash, i as u32, |&j| seen[j as usize].hash);
         i
+    }
+
+    /// The index of `key` among the seen keys, adding it first if the request has not seen
+    /// it (`true`: added): one probe of the index either way. Room for it must be reserved.
+    pub(crate) fn find_or_add(
+        &mut self,
+        key: &[u8],
+        hash: u64,
+        chunk: Option<ChunkId>,
+    ) -> (usize, bool) {
+        let seen = &self.seen;
+        let entry = self.table.entry(
+            hash,
+            |&j| {
+                let s = &seen[j as usize];
+                s.hash == hash && s.key.as_slice() == key
+            },
+            |&j| seen[j as usize].hash,
+        );
+        match entry {
+            hashbrown::hash_table::Entry::Occupied(o) => (*o.get() as usize, false),
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                let i = self.seen.len();
+                self.seen.push(SeenKey::new(key, hash, chunk));
+                v.insert(i as u32);
+                (i, true)
+            }
+        }
     }
 }
