@@ -132,10 +132,21 @@ impl<'py> Keys<'py> {
                 unsafe { pyo3::ffi::Py_TYPE(p) == bytes_type }
             });
             if exact {
+                // Every exact `bytes` object has one layout, so its data lies at one offset
+                // from its start: read from the batch's first object, then added to the others
+                // (no call into the interpreter per key).
+                let first = items[0];
+                // SAFETY: a live, exact `bytes` (above).
+                let data = unsafe { bytes_of(first) }.as_ptr();
+                let offset = (data as usize).wrapping_sub(first as usize);
                 self.bytes.extend(items.iter().map(|&p| {
-                    // SAFETY: a live, exact `bytes` (above), kept in `objs` just below for as
-                    // long as `self` lives; `slices` lends the buffer out no longer.
-                    unsafe { bytes_of(p) }
+                    // SAFETY: a live, exact `bytes` (above), whose buffer starts `offset` bytes
+                    // in, as its type's do, and holds `Py_SIZE` bytes; kept in `objs` just
+                    // below for as long as `self` lives; `slices` lends it out no longer.
+                    unsafe {
+                        let len = usize::try_from(pyo3::ffi::Py_SIZE(p)).unwrap_or(0);
+                        std::slice::from_raw_parts(p.cast::<u8>().cast_const().add(offset), len)
+                    }
                 }));
                 self.objs.extend(items.iter().map(|&p| {
                     // SAFETY: a live object, exactly `bytes`; `from_borrowed_ptr` takes a new
