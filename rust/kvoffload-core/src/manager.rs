@@ -489,8 +489,9 @@ impl Manager {
             }
         }
         // Only a finished request needs to know now which keys it has seen (it may record no
-        // others); otherwise recording finds each key as it adds the unseen ones.
-        let mut call = if req.finished {
+        // others), and a request that has seen none knows without looking; otherwise
+        // recording finds each key as it adds the unseen ones.
+        let mut call = if req.finished || req.seen.is_empty() {
             let call = Call::new(keys, &hashes, positions, req, distinct);
             call.check_may_record(req, 0..keys.len())?;
             call
