@@ -488,16 +488,8 @@ impl Manager {
                 self.slots.check_pin(c, times)?;
             }
         }
-        // Only a finished request needs to know now which keys it has seen (it may record no
-        // others), and a request that has seen none knows without looking; otherwise
-        // recording finds each key as it adds the unseen ones.
-        let mut call = if req.finished || req.seen.is_empty() {
-            let call = Call::new(keys, &hashes, positions, req, distinct);
-            call.check_may_record(req, 0..keys.len())?;
-            call
-        } else {
-            Call::unresolved(keys, &hashes, positions)
-        };
+        let mut call = Call::lazy(keys, &hashes, positions, req, distinct);
+        call.check_may_record(req, 0..keys.len())?;
 
         for (n, &c) in chunks.iter().enumerate() {
             if self.slots.pin(c) {
@@ -1332,13 +1324,20 @@ impl<'k> Call<'k> {
         }
     }
 
-    /// A call whose keys are not looked up in the request's state yet: recording resolves
-    /// them (see [`Manager::record_new`]).
-    fn unresolved(
+    /// [`new`](Self::new) where looking the keys up now is needed or free: for a finished
+    /// request (which may record only keys it has seen, checked before anything changes) or
+    /// one that has seen no key. Otherwise the keys are left unresolved and recording finds or
+    /// adds each with one probe (see [`Manager::record_new`]).
+    fn lazy(
         keys: &'k [&'k [u8]],
         hashes: &'k [u64],
         positions: Option<&'k [Option<i64>]>,
+        req: &RequestState,
+        distinct: bool,
     ) -> Self {
+        if req.finished || req.seen.is_empty() {
+            return Self::new(keys, hashes, positions, req, distinct);
+        }
         Self {
             keys,
             hashes,

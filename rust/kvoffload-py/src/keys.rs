@@ -135,18 +135,13 @@ impl<'py> Keys<'py> {
                 // Every exact `bytes` object has one layout, so its data lies at one offset
                 // from its start: read from the batch's first object, then added to the others
                 // (no call into the interpreter per key).
-                let first = items[0];
                 // SAFETY: a live, exact `bytes` (above).
-                let data = unsafe { bytes_of(first) }.as_ptr();
-                let offset = (data as usize).wrapping_sub(first as usize);
+                let offset = unsafe { data_offset(items[0]) };
                 self.bytes.extend(items.iter().map(|&p| {
                     // SAFETY: a live, exact `bytes` (above), whose buffer starts `offset` bytes
-                    // in, as its type's do, and holds `Py_SIZE` bytes; kept in `objs` just
-                    // below for as long as `self` lives; `slices` lends it out no longer.
-                    unsafe {
-                        let len = usize::try_from(pyo3::ffi::Py_SIZE(p)).unwrap_or(0);
-                        std::slice::from_raw_parts(p.cast::<u8>().cast_const().add(offset), len)
-                    }
+                    // in, as its type's do; kept in `objs` just below for as long as `self`
+                    // lives; `slices` lends it out no longer.
+                    unsafe { bytes_at(p, offset) }
                 }));
                 self.objs.extend(items.iter().map(|&p| {
                     // SAFETY: a live object, exactly `bytes`; `from_borrowed_ptr` takes a new
@@ -187,12 +182,33 @@ impl<'py> Keys<'py> {
 /// for as long as the slice is used (see [`Keys`]).
 #[inline]
 unsafe fn bytes_of(obj: *mut pyo3::ffi::PyObject) -> &'static [u8] {
-    // SAFETY: per the contract, `obj` is a live `bytes`, whose buffer is immutable and holds
-    // `Py_SIZE(obj)` bytes while the object lives; `PyBytes_AsString` cannot fail on one.
+    // SAFETY: per the contract; the offset is where `obj`'s buffer starts.
+    unsafe { bytes_at(obj, data_offset(obj)) }
+}
+
+/// How far into `obj` its buffer starts.
+///
+/// # Safety
+/// `obj` is a live `bytes` object (or subclass instance), attached to the interpreter.
+#[inline]
+unsafe fn data_offset(obj: *mut pyo3::ffi::PyObject) -> usize {
+    // SAFETY: per the contract; `PyBytes_AsString` cannot fail on a `bytes`.
+    let data = unsafe { pyo3::ffi::PyBytes_AsString(obj) };
+    (data as usize).wrapping_sub(obj as usize)
+}
+
+/// [`bytes_of`] given where the buffer starts: `offset` bytes into the object (the same for
+/// every object of one type, so a caller may read it once and reuse it).
+///
+/// # Safety
+/// As [`bytes_of`], and `offset` is where `obj`'s buffer starts.
+#[inline]
+unsafe fn bytes_at(obj: *mut pyo3::ffi::PyObject, offset: usize) -> &'static [u8] {
+    // SAFETY: per the contract, `obj` is a live `bytes` whose immutable buffer starts `offset`
+    // bytes in (inside the object) and holds `Py_SIZE(obj)` bytes while the object lives.
     unsafe {
-        let data = pyo3::ffi::PyBytes_AsString(obj).cast::<u8>().cast_const();
         let len = usize::try_from(pyo3::ffi::Py_SIZE(obj)).unwrap_or(0);
-        std::slice::from_raw_parts(data, len)
+        std::slice::from_raw_parts(obj.cast::<u8>().cast_const().add(offset), len)
     }
 }
 
