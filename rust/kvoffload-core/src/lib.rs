@@ -25,6 +25,7 @@ pub mod manager;
 pub mod mem;
 pub mod policy;
 pub mod pool;
+pub mod recycle;
 pub mod request;
 pub mod sketch;
 pub mod table;

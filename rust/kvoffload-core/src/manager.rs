@@ -14,6 +14,7 @@ use crate::policy::{
     S3FifoPolicy, SievePolicy, SlruPolicy, TwoQPolicy,
 };
 use crate::pool::{ChunkId, ChunkPool};
+use crate::recycle;
 use crate::request::{RequestState, INSERTED, REPORTED, REUSED};
 use crate::sketch::{sketch_hash, FrequencySketch};
 use crate::table::{ChunkState, ChunkTable, Slots, MAX_KEY_LEN};
@@ -161,6 +162,17 @@ pub struct StoreOutcome {
     pub evicted: Vec<KeyBuf>,
     /// The chunks they held, lined up with `evicted` (now free, or reused by `chunks`).
     pub evicted_chunks: Vec<ChunkId>,
+}
+
+impl StoreOutcome {
+    /// Hand the vectors' buffers back for later calls on this thread ([`recycle`]): a caller
+    /// done with an outcome may call this instead of dropping it.
+    pub fn recycle(self) {
+        recycle::give(self.to_store);
+        recycle::give(self.chunks);
+        recycle::give(self.evicted);
+        recycle::give(self.evicted_chunks);
+    }
 }
 
 /// Raw counters behind `get_stats`.
@@ -461,7 +473,7 @@ impl Manager {
         check_positions(keys, positions)?;
         let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
         let found = self.resolve(keys, &hashes);
-        let mut chunks = Vec::with_capacity(keys.len());
+        let mut chunks = recycle::take(keys.len());
         for (k, &c) in keys.iter().zip(&found) {
             let Some(c) = c else {
                 return Err(CoreError::KeyState(format!(
@@ -716,7 +728,11 @@ impl Manager {
             }
         }
         Ok(Some(StoreOutcome {
-            to_store: candidates.to_vec(),
+            to_store: {
+                let mut to_store = recycle::take(candidates.len());
+                to_store.extend_from_slice(&candidates);
+                to_store
+            },
             chunks,
             evicted,
             evicted_chunks: victims,
@@ -800,7 +816,7 @@ impl Manager {
         for s in &req.seen {
             self.slots.prefetch(s.chunk);
         }
-        let finished: Vec<FinishedKey<'_>> = order
+        let finished: recycle::Recycled<FinishedKey<'_>> = order
             .iter()
             .map(|&i| {
                 let s = &req.seen[i];
@@ -818,6 +834,8 @@ impl Manager {
             })
             .collect();
         self.policy.on_request_finished(&finished);
+        drop(finished);
+        recycle::give(order);
         Ok(())
     }
 
@@ -1046,7 +1064,7 @@ impl Manager {
         let Some(shortfall) = n.checked_sub(self.pool.num_free()).filter(|&s| s > 0) else {
             return Ok(Some(Vec::new()));
         };
-        let mut victims = Vec::with_capacity(shortfall);
+        let mut victims = recycle::take(shortfall);
         if shortfall > self.slots.num_evictable() {
             return Ok(None);
         }
@@ -1121,7 +1139,7 @@ impl Manager {
 
     /// Drop chosen victims, free their chunks (in order) and queue one removal event.
     fn evict_chunks(&mut self, victims: &[ChunkId]) -> Vec<KeyBuf> {
-        let mut evicted = Vec::with_capacity(victims.len());
+        let mut evicted = recycle::take(victims.len());
         // The victims' keys, then their index buckets: the misses overlap.
         for &c in victims {
             self.slots.prefetch(c);
@@ -1156,7 +1174,7 @@ impl Manager {
         candidates: &[usize],
         req: &mut RequestState,
     ) -> Option<Vec<ChunkId>> {
-        let mut chunks = Vec::with_capacity(candidates.len());
+        let mut chunks = recycle::take(candidates.len());
         let (fresh_before, _) = self.pool.state();
         let placed = self.pool.allocate(candidates.len(), &mut chunks);
         debug_assert!(placed, "room was made for every candidate");
@@ -1472,7 +1490,7 @@ fn multiplicities(chunks: &[ChunkId]) -> Scratch<(ChunkId, u32)> {
 /// order, re-sorted by position when all its keys have one; then, when every key has a position,
 /// the whole list re-sorted (stably) by position.
 fn head_to_tail(req: &RequestState, positions: &[Option<i64>]) -> Vec<usize> {
-    let groups: Vec<u32> = req.seen.iter().map(|s| group_of(&s.key)).collect();
+    let groups: recycle::Recycled<u32> = req.seen.iter().map(|s| group_of(&s.key)).collect();
     order_head_to_tail(&groups, positions)
 }
 
@@ -1481,7 +1499,8 @@ fn head_to_tail(req: &RequestState, positions: &[Option<i64>]) -> Vec<usize> {
 /// nothing to move (a request's keys usually arrive head first, in one group).
 fn order_head_to_tail(groups: &[u32], positions: &[Option<i64>]) -> Vec<usize> {
     let n = groups.len();
-    let mut order: Vec<usize> = (0..n).collect();
+    let mut order = recycle::take(n);
+    order.extend(0..n);
     if positions.iter().all(Option::is_some) {
         // By position, ties by group, then first seen: what sorting each group by position and
         // then the whole list (stably) by position gives.

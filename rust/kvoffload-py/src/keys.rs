@@ -2,6 +2,7 @@
 //! from the `bytes` objects, token positions and request state read from the context.
 
 use crate::errors::{invalid_key, raise};
+use kvoffload_core::recycle::{self, Recycled};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
@@ -20,9 +21,10 @@ impl<'py> Keys<'py> {
     /// Collect the keys of `obj` (a list, tuple or any iterable of `bytes`).
     pub(crate) fn extract(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
         let py = obj.py();
+        // Buffers reused from earlier calls: a steady stream of calls allocates none.
         let mut keys = Self {
-            objs: Vec::new(),
-            bytes: Vec::new(),
+            objs: recycle::take(0),
+            bytes: recycle::take(0),
         };
         if let Ok(list) = obj.cast::<PyList>() {
             keys.extend_from_list(list)?;
@@ -170,8 +172,16 @@ impl<'py> Keys<'py> {
     }
 
     /// The key objects, taken (their borrowed bytes go with `self`).
-    pub(crate) fn into_objs(self) -> Vec<Bound<'py, PyBytes>> {
-        self.objs
+    pub(crate) fn into_objs(mut self) -> Vec<Bound<'py, PyBytes>> {
+        std::mem::take(&mut self.objs)
+    }
+}
+
+impl Drop for Keys<'_> {
+    fn drop(&mut self) {
+        // The borrowed bytes first: they point into the objects.
+        recycle::give(std::mem::take(&mut self.bytes));
+        recycle::give(std::mem::take(&mut self.objs));
     }
 }
 
@@ -537,11 +547,11 @@ impl<'py> Context<'py> {
     pub(crate) fn positions(
         &self,
         keys: &[Bound<'py, PyBytes>],
-    ) -> PyResult<Option<Vec<Option<i64>>>> {
+    ) -> PyResult<Option<Recycled<Option<i64>>>> {
         if !self.may_have_positions() {
             return Ok(None);
         }
-        let mut positions = Vec::with_capacity(keys.len());
+        let mut positions = Recycled::with_capacity(keys.len());
         for k in keys {
             positions.push(self.position(k.as_any())?);
         }

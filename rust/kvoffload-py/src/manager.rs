@@ -9,6 +9,7 @@ use crate::liveness::Liveness;
 use crate::policy::external::PythonPolicy;
 use crate::policy::state::{state_dict, state_keys};
 use crate::request::RequestState;
+use kvoffload_core::recycle::Recycled;
 use kvoffload_core::{self as core, Lookup, Manager, ManagerConfig, PolicyKind};
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::intern;
@@ -97,7 +98,7 @@ impl ChunkMemo {
     }
 
     /// The guessed chunk of each object, by address.
-    fn hints(&self, addrs: &[usize]) -> Vec<Option<core::ChunkId>> {
+    fn hints(&self, addrs: &[usize]) -> Recycled<Option<core::ChunkId>> {
         addrs
             .iter()
             .map(|&addr| {
@@ -110,13 +111,13 @@ impl ChunkMemo {
 
 /// The addresses of key objects, for a [`ChunkMemo`] (the closures that may run detached
 /// from the interpreter take these, not the objects).
-fn addresses(objs: &[Bound<'_, PyBytes>]) -> Vec<usize> {
+fn addresses(objs: &[Bound<'_, PyBytes>]) -> Recycled<usize> {
     objs.iter().map(|o| o.as_ptr() as usize).collect()
 }
 
 impl Core {
     /// Forget the key objects of `chunks`; the caller drops them once the lock is released.
-    fn take_keys(&mut self, chunks: &[core::ChunkId]) -> Vec<Option<Py<PyBytes>>> {
+    fn take_keys(&mut self, chunks: &[core::ChunkId]) -> Recycled<Option<Py<PyBytes>>> {
         self.take_keys_leaving_room(chunks, 0)
     }
 
@@ -125,8 +126,8 @@ impl Core {
         &mut self,
         chunks: &[core::ChunkId],
         extra: usize,
-    ) -> Vec<Option<Py<PyBytes>>> {
-        let mut objs = Vec::with_capacity(chunks.len() + extra);
+    ) -> Recycled<Option<Py<PyBytes>>> {
+        let mut objs = Recycled::with_capacity(chunks.len() + extra);
         objs.extend(
             chunks
                 .iter()
@@ -423,7 +424,7 @@ impl ManagerCore {
         &self,
         ctx: &Context<'py>,
         keys: &Keys<'py>,
-    ) -> PyResult<Option<Vec<Option<i64>>>> {
+    ) -> PyResult<Option<Recycled<Option<i64>>>> {
         if self.reads_positions {
             ctx.positions(keys.objs())
         } else {
@@ -439,7 +440,7 @@ impl ManagerCore {
         py: Python<'_>,
         ctx: &Context<'_>,
         state: &Bound<'_, RequestState>,
-    ) -> PyResult<Option<Vec<Option<i64>>>> {
+    ) -> PyResult<Option<Recycled<Option<i64>>>> {
         let st = state.get();
         let found = self.with_state(py, st, |m, s| {
             (m.is_current(s) && !s.is_finished()).then(|| {
@@ -456,26 +457,26 @@ impl ManagerCore {
                             _ => Err(key.to_vec()),
                         }
                     })
-                    .collect::<Vec<_>>()
+                    .collect::<Recycled<_>>()
             })
         })?;
-        let Some(found) = found else {
+        let Some(mut found) = found else {
             return Ok(None);
         };
         found
-            .into_iter()
+            .drain(..)
             .map(|key| match key {
                 Ok(obj) => ctx.position(obj.bind(py).as_any()),
                 Err(bytes) => ctx.position(PyBytes::new(py, &bytes).as_any()),
             })
-            .collect::<PyResult<Vec<_>>>()
+            .collect::<PyResult<Recycled<_>>>()
             .map(Some)
     }
 
     /// Expire the writes older than `timeout` at `now`; their stored key objects, oldest first.
     fn expire<'py>(&self, py: Python<'py>, now: f64, timeout: f64) -> PyResult<Bound<'py, PyList>> {
         // A Python policy hears of each expiry as of a failed store (`remove`).
-        let ((expired, objs), raised) = self.policy_call(py, None, &[], None, |m, _| {
+        let ((expired, mut objs), raised) = self.policy_call(py, None, &[], None, |m, _| {
             let expired = m.expire_pending_writes(now, timeout);
             let chunks: Vec<core::ChunkId> = expired.iter().map(|&(c, _)| c).collect();
             let objs = m.take_keys(&chunks);
@@ -486,7 +487,7 @@ impl ManagerCore {
             py,
             expired
                 .iter()
-                .zip(objs)
+                .zip(objs.drain(..))
                 .map(|((_, k), obj)| obj.map_or_else(|| PyBytes::new(py, k), |o| o.into_bound(py))),
         )
     }
@@ -713,7 +714,7 @@ impl ManagerCore {
         }
         let slices = keys.slices();
         let addrs = addresses(keys.objs());
-        let ((chunks, mark, added), raised) = self.policy_call(
+        let ((chunks, mark, added), raised): ((_, _, Recycled<u32>), _) = self.policy_call(
             py,
             Some(ctx.object()),
             keys.objs(),
@@ -722,16 +723,16 @@ impl ManagerCore {
                 let s = s.expect("state given");
                 renew_if_stale(m, s);
                 let mark = s.seen_keys().len();
-                let chunks = m.prepare_load(slices, positions.as_deref(), s);
+                let chunks = m.prepare_load(slices, positions.as_deref().map(Vec::as_slice), s);
                 if let Ok(chunks) = &chunks {
                     for (&addr, &c) in addrs.iter().zip(chunks) {
                         m.memo.put(addr, c);
                     }
                 }
-                (chunks, mark, s.last_added().to_vec())
+                (chunks, mark, s.last_added().iter().copied().collect())
             },
         )?;
-        let chunks = settle(py, chunks, raised)?;
+        let chunks = Recycled::from(settle(py, chunks, raised)?);
         state.get().keep_objects(mark, &added, keys.objs());
         spec(py, self.types(py)?, &chunks)
     }
@@ -817,7 +818,7 @@ impl ManagerCore {
         let slices = keys.slices();
         let addrs = addresses(keys.objs());
         // Owned references, moved into the table by the core call (which may run detached).
-        let mut owned: Vec<Option<Py<PyBytes>>> = keys
+        let mut owned: Recycled<Option<Py<PyBytes>>> = keys
             .objs()
             .iter()
             .map(|k| Some(k.clone().unbind()))
@@ -834,8 +835,8 @@ impl ManagerCore {
                 let s = s.expect("state given");
                 renew_if_stale(m, s);
                 let mark = s.seen_keys().len();
-                let outcome = m.prepare_store(slices, positions.as_deref(), s);
-                let mut objs = Vec::new();
+                let outcome = m.prepare_store(slices, positions.as_deref().map(Vec::as_slice), s);
+                let mut objs = Recycled::with_capacity(0);
                 let mut dropped = Vec::new();
                 match &outcome {
                     Ok(Some(out)) => {
@@ -852,7 +853,8 @@ impl ManagerCore {
                     Err(_) if self.python_policy => dropped = m.forget_evicted(),
                     _ => {}
                 }
-                (outcome, objs, dropped, mark, s.last_added().to_vec())
+                let added: Recycled<u32> = s.last_added().iter().copied().collect();
+                (outcome, objs, dropped, mark, added)
             },
         )?;
         drop((dropped, owned));
@@ -862,11 +864,12 @@ impl ManagerCore {
         let to_store = PyList::new(py, out.to_store.iter().map(|&i| &keys.objs()[i]))?;
         // The stored objects of the victims; a fresh `bytes` only if one is missing.
         // The objects move into the list (no reference count traffic).
+        let mut evicted_objs = evicted_objs;
         let evicted = PyList::new(
             py,
             out.evicted
                 .iter()
-                .zip(evicted_objs)
+                .zip(evicted_objs.drain(..))
                 .map(|(k, obj)| match obj {
                     Some(obj) => obj.into_bound(py),
                     None => PyBytes::new(py, k),
@@ -881,6 +884,7 @@ impl ManagerCore {
                 (intern!(py, "evicted_keys"), evicted.into_any()),
             ],
         )?;
+        out.recycle();
         Ok(Some(output))
     }
 
