@@ -335,6 +335,82 @@ def test_finish_asks_positions_with_the_first_offered_keys(make_manager: MakeMan
     m.check_invariants()
 
 
+class BytesKey(bytes):
+    """A key type the manager accepts whose hash and equality are its own."""
+
+    def __hash__(self) -> int:
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        return bytes.__eq__(self, other)
+
+
+class Int(int):
+    """A position of a type other than exactly int."""
+
+
+#: How the context's positions dict is laid out against the order the keys are offered in;
+#: each maps the keys (in offered order) with their positions to the dict's items.
+DICT_LAYOUTS: dict[str, Any] = {
+    "offered order": lambda items: items,
+    "reversed": lambda items: items[::-1],
+    "unrelated keys between": lambda items: [
+        x for i, item in enumerate(items) for x in (item, (k(900 + i), 10 * i))
+    ],
+    "five unrelated keys first": lambda items: [(k(950 + i), i) for i in range(5)] + items,
+    "equal copies as keys": lambda items: [(bytes(bytearray(key)), p) for key, p in items],
+    "every other key missing": lambda items: items[::2],
+    "values of other types": lambda items: [
+        (key, (True, p, Int(p), None)[i % 4]) for i, (key, p) in enumerate(items)
+    ],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(DICT_LAYOUTS))
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_positions_read_alike_whatever_the_dict_holds(
+    make_manager: MakeManager, layout: str, policy: str
+) -> None:
+    """kvoffload's own contexts are read through their dicts, following the dict's order when it
+    matches the keys offered; every layout, and changes between calls, must read exactly as a
+    context asked key by key does."""
+    keys = ks(*range(1, 13))
+    keys[7] = BytesKey(keys[7])
+    items = DICT_LAYOUTS[layout]([(key, 16 * (i + 1)) for i, key in enumerate(keys)])
+
+    def run(ctx_of: Any) -> Any:
+        m = make_manager(16, cache_policy=policy)
+        first, second = ctx_of("a"), ctx_of("b")
+        for key, p in items:
+            first.set_offload_key_position(key, p)
+            second.set_offload_key_position(key, p)
+        for ids in (keys[:3], keys[3:6]):
+            out = m.prepare_store(ids, first)
+            m.complete_store(out.keys_to_store, first)
+            first.set_offload_key_position(keys[4], 1000)  # read already, or not yet
+        m.on_request_finished(first)
+        m.prepare_load(keys[:6], second)
+        m.complete_load(keys[:6], second)
+        positions = second._offload_key_positions
+        positions.pop(keys[8], None)
+        positions[keys[8]] = 5  # the same key at the dict's end
+        out = m.prepare_store(keys[6:], second)
+        m.complete_store(out.keys_to_store, second)
+        m.on_request_finished(second)
+        m.check_invariants()
+        return m.policy_state()
+
+    class Asked(DuckContext):
+        def __init__(self, req_id: str) -> None:
+            super().__init__({})
+            self._offload_key_positions = self._p
+
+        def set_offload_key_position(self, key: bytes, p: int) -> None:
+            self._p[key] = p
+
+    assert run(lambda rid: ReqContext(req_id=rid)) == run(Asked)
+
+
 # === reset_cache =============================================================================
 
 

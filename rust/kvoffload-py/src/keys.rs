@@ -272,10 +272,41 @@ pub(crate) fn position_value(v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
     })
 }
 
-/// `key`'s entry in a positions dict when it is absent, `None` or an int in the int64 range,
-/// read without taking a reference to the value or converting it through the generic path
-/// (together about 30 of a read's ~180 instructions; most of the rest is the interpreter's dict
-/// lookup); `None` for any other value, which the caller reads the general way (and reports).
+/// A position read directly from a dict's value: `None`, or an int in the int64 range.
+#[derive(Clone, Copy)]
+struct Plain(Option<i64>);
+
+/// A positions dict's value, borrowed: `None`, or an int in the int64 range, read without
+/// taking a reference to it or converting it through the generic path; `None` for any other
+/// value, which the caller reads the general way (and reports).
+///
+/// # Safety
+/// `v` is a live object, kept alive for the call (the dict's critical section is held).
+unsafe fn plain_value(v: *mut pyo3::ffi::PyObject) -> Option<Plain> {
+    use pyo3::ffi;
+    // SAFETY: `v` is live (the caller's contract); only its identity and type are read.
+    let (none, int) = unsafe {
+        (
+            v == ffi::Py_None(),
+            ffi::Py_TYPE(v) == std::ptr::addr_of_mut!(ffi::PyLong_Type),
+        )
+    };
+    if none {
+        return Some(Plain(None));
+    }
+    if !int {
+        return None;
+    }
+    let mut overflow = 0;
+    // SAFETY: `v` is a live exact int, which the conversion reads without running Python code;
+    // out of range it sets `overflow` and raises nothing.
+    let x = unsafe { ffi::PyLong_AsLongLongAndOverflow(v, &raw mut overflow) };
+    (overflow == 0).then_some(Plain(Some(x)))
+}
+
+/// `key`'s entry in a positions dict when it is absent, `None` or an int in the int64 range
+/// (see [`plain_value`]; most of a read's ~180 instructions are the interpreter's dict lookup);
+/// `None` for any other value.
 fn plain_position<'py>(
     pos: &Bound<'py, PyDict>,
     key: &Bound<'py, PyAny>,
@@ -291,25 +322,74 @@ fn plain_position<'py>(
         if v.is_null() {
             return Some(PyErr::take(py).map_or(Ok(None), Err));
         }
-        // SAFETY: `v` is a live object (above); only its identity and type are read.
-        let (none, int) = unsafe {
-            (
-                v == ffi::Py_None(),
-                ffi::Py_TYPE(v) == std::ptr::addr_of_mut!(ffi::PyLong_Type),
-            )
-        };
-        if none {
-            return Some(Ok(None));
-        }
-        if !int {
+        // SAFETY: `v` is live: the critical section is held.
+        unsafe { plain_value(v) }.map(|p| Ok(p.0))
+    })
+}
+
+/// Dict entries [`DictWalk`] looks at past its place for the next key before it gives up on
+/// that key.
+const WALK_AHEAD: usize = 4;
+/// Keys in a row that [`DictWalk`] may fail to find before it stops looking for the rest.
+const WALK_MISSES: u32 = 3;
+
+/// Reads the values of keys that a positions dict holds in the order they are asked for (a
+/// scheduler records a request's block positions in prefix order, and offers its blocks in the
+/// same order), by walking the dict's entries (`PyDict_Next`) instead of looking each key up.
+///
+/// An entry is taken only when its key *is* the object asked for, and only for exact `bytes`
+/// objects, whose hash and equality cannot be overridden: a dict holds at most one key equal
+/// to such an object, so a lookup would find that very entry. Anything else (the key not a
+/// few entries ahead, a value that is not a plain int) answers `None` and the caller looks the
+/// key up as usual; after [`WALK_MISSES`] such keys in a row the walk stops looking, so a
+/// dict in another order costs a bounded few probes a call.
+struct DictWalk {
+    /// The `PyDict_Next` position after the last entry taken.
+    at: isize,
+    misses: u32,
+}
+
+impl DictWalk {
+    fn new(at: isize) -> Self {
+        Self { at, misses: 0 }
+    }
+
+    /// `key`'s plain value, if the walk finds its entry.
+    #[inline]
+    fn next(&mut self, pos: &Bound<'_, PyDict>, key: &Bound<'_, PyAny>) -> Option<Plain> {
+        use pyo3::ffi;
+        if self.misses >= WALK_MISSES || !key.is_exact_instance_of::<PyBytes>() {
             return None;
         }
-        let mut overflow = 0;
-        // SAFETY: `v` is a live exact int, which the conversion reads without running Python
-        // code; out of range it sets `overflow` and raises nothing.
-        let x = unsafe { ffi::PyLong_AsLongLongAndOverflow(v, &raw mut overflow) };
-        (overflow == 0).then_some(Ok(Some(x)))
-    })
+        let found = pyo3::sync::critical_section::with_critical_section(pos.as_any(), || {
+            let mut at = self.at;
+            for _ in 0..WALK_AHEAD {
+                let mut k = std::ptr::null_mut();
+                let mut v = std::ptr::null_mut();
+                // SAFETY: `pos` is a live dict; `PyDict_Next` accepts any position (past the
+                // end or negative: no entry) and returns borrowed references, which the
+                // critical section keeps alive while they are read. It runs no Python code.
+                if unsafe { ffi::PyDict_Next(pos.as_ptr(), &raw mut at, &raw mut k, &raw mut v) }
+                    == 0
+                {
+                    return None;
+                }
+                if k == key.as_ptr() {
+                    // SAFETY: `v` is live (above).
+                    return Some((at, unsafe { plain_value(v) }));
+                }
+            }
+            None
+        });
+        if let Some((at, value)) = found {
+            self.at = at;
+            self.misses = 0;
+            value
+        } else {
+            self.misses += 1;
+            None
+        }
+    }
 }
 
 /// A result class and its `__new__`, looked up once: [`build`](Self::build) makes bare instances.
@@ -543,18 +623,44 @@ impl<'py> Context<'py> {
         v.map_or(Ok(None), |v| position_value(&v))
     }
 
-    /// Positions of `keys` (`None` when the context holds none).
+    /// Positions of `keys`, in order, walking the positions dict from `*cursor` (a
+    /// `PyDict_Next` position; see [`DictWalk`]) and leaving `*cursor` after the last entry
+    /// the walk took.
+    pub(crate) fn positions_walking<'a>(
+        &self,
+        keys: impl ExactSizeIterator<Item = &'a Bound<'py, PyAny>>,
+        cursor: &mut isize,
+    ) -> PyResult<Recycled<Option<i64>>>
+    where
+        'py: 'a,
+    {
+        let mut walk = DictWalk::new(*cursor);
+        let mut positions = Recycled::with_capacity(keys.len());
+        for k in keys {
+            let walked = match &self.dicts {
+                Some((_, pos)) => walk.next(pos, k),
+                None => None,
+            };
+            positions.push(match walked {
+                Some(Plain(p)) => p,
+                None => self.position(k)?,
+            });
+        }
+        *cursor = walk.at;
+        Ok(positions)
+    }
+
+    /// Positions of `keys` (`None` when the context holds none), walking the positions dict
+    /// from `*cursor` (see [`positions_walking`](Self::positions_walking)).
     pub(crate) fn positions(
         &self,
         keys: &[Bound<'py, PyBytes>],
+        cursor: &mut isize,
     ) -> PyResult<Option<Recycled<Option<i64>>>> {
         if !self.may_have_positions() {
             return Ok(None);
         }
-        let mut positions = Recycled::with_capacity(keys.len());
-        for k in keys {
-            positions.push(self.position(k.as_any())?);
-        }
-        Ok(Some(positions))
+        self.positions_walking(keys.iter().map(Bound::as_any), cursor)
+            .map(Some)
     }
 }

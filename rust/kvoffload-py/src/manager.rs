@@ -420,16 +420,21 @@ impl ManagerCore {
         )
     }
 
+    /// Positions of a recording call's keys, if the policy reads them, walking the context's
+    /// positions dict on from where the request's last call left it.
     fn positions<'py>(
         &self,
         ctx: &Context<'py>,
         keys: &Keys<'py>,
+        state: &RequestState,
     ) -> PyResult<Option<Recycled<Option<i64>>>> {
-        if self.reads_positions {
-            ctx.positions(keys.objs())
-        } else {
-            Ok(None)
+        if !self.reads_positions {
+            return Ok(None);
         }
+        let mut at = state.cursor.load(Ordering::Relaxed);
+        let positions = ctx.positions(keys.objs(), &mut at)?;
+        state.cursor.store(at, Ordering::Relaxed);
+        Ok(positions)
     }
 
     /// Positions of a finishing request's seen keys, asked of the context with the key object
@@ -463,14 +468,15 @@ impl ManagerCore {
         let Some(mut found) = found else {
             return Ok(None);
         };
-        found
+        // Fresh objects for the keys kept as bytes, then one walk of the dict from its start.
+        let objs: Recycled<Bound<'_, PyAny>> = found
             .drain(..)
             .map(|key| match key {
-                Ok(obj) => ctx.position(obj.bind(py).as_any()),
-                Err(bytes) => ctx.position(PyBytes::new(py, &bytes).as_any()),
+                Ok(obj) => obj.into_bound(py).into_any(),
+                Err(bytes) => PyBytes::new(py, &bytes).into_any(),
             })
-            .collect::<PyResult<Recycled<_>>>()
-            .map(Some)
+            .collect();
+        ctx.positions_walking(objs.iter(), &mut 0).map(Some)
     }
 
     /// Expire the writes older than `timeout` at `now`; their stored key objects, oldest first.
@@ -706,8 +712,8 @@ impl ManagerCore {
     ) -> PyResult<Bound<'py, PyAny>> {
         let keys = Keys::extract(keys)?;
         let ctx = Context::new(req_context)?;
-        let positions = self.positions(&ctx, &keys)?;
         let (state, fresh) = self.request_state(py, &ctx)?;
+        let positions = self.positions(&ctx, &keys, state.get())?;
         // Installed first: a context's `set_state` may raise, and must do so before any change.
         if fresh {
             ctx.set_state(state.as_any())?;
@@ -808,8 +814,8 @@ impl ManagerCore {
         }
         let keys = Keys::extract(keys)?;
         let ctx = Context::new(req_context)?;
-        let positions = self.positions(&ctx, &keys)?;
         let (state, fresh) = self.request_state(py, &ctx)?;
+        let positions = self.positions(&ctx, &keys, state.get())?;
         // Installed first: a context's `set_state` may raise, and must do so before any change
         // (after it, the caller would never see the keys to store: pending chunks stranded).
         if fresh {

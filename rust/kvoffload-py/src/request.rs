@@ -5,6 +5,7 @@
 use kvoffload_core as core;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use std::sync::atomic::AtomicIsize;
 use std::sync::Mutex;
 
 /// Opaque per-request state of a `ManagerCore`, kept on the request context.
@@ -16,6 +17,9 @@ pub(crate) struct RequestState {
     /// vLLM does with the keys it recorded. An entry is used only while it holds its seen key's
     /// bytes (`None`, or out of step after a race on one context: the bytes are used instead).
     pub(crate) objs: Mutex<Vec<Option<Py<PyBytes>>>>,
+    /// Where the request's last recording call left its walk of the context's positions dict
+    /// (a hint: see `keys::DictWalk`).
+    pub(crate) cursor: AtomicIsize,
 }
 
 impl RequestState {
@@ -23,6 +27,7 @@ impl RequestState {
         Self {
             inner: Mutex::new(inner),
             objs: Mutex::new(Vec::new()),
+            cursor: AtomicIsize::new(0),
         }
     }
 
