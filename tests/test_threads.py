@@ -103,3 +103,56 @@ def test_a_key_list_changed_by_another_thread_while_a_call_reads_it() -> None:
         t.join()
     m.check_invariants()
     assert calls > 0
+
+
+def test_a_positions_dict_changed_by_another_thread_while_calls_read_it() -> None:
+    """Another thread keeps resizing a request's positions dict (unrelated keys come and go,
+    the request's own keys are set again to the same positions) while calls walk it: every
+    request reads its keys' positions exactly as without the other thread."""
+    keys = [kvoffload.make_offload_key(b"p%d" % i, 0) for i in range(96)]
+    others = [kvoffload.make_offload_key(b"o%d" % i, 0) for i in range(300)]
+    deadline = time.monotonic() + min(SECONDS / 9, 1.0)
+
+    def one_request(m: Any, ctx: Any) -> None:
+        for lo in range(0, len(keys), 24):
+            out = m.prepare_store(keys[lo : lo + 24], ctx)
+            m.complete_store(out.keys_to_store, ctx)
+        m.on_request_finished(ctx)
+
+    def fresh() -> tuple[Any, Any]:
+        ctx = kvoffload.ReqContext("r")
+        for i, key in enumerate(keys):
+            ctx.set_offload_key_position(key, 16 * (i + 1))
+        return kvoffload.CPUOffloadingManager(128), ctx
+
+    m, ctx = fresh()
+    one_request(m, ctx)
+    expected = m.policy_state()
+
+    stop = threading.Event()
+    current: list[Any] = [ctx]
+
+    def mutate() -> None:
+        while not stop.is_set():
+            positions = current[0]._offload_key_positions
+            for k in others:
+                positions[k] = 1
+            for i, key in enumerate(keys[::7]):
+                positions[key] = 16 * (7 * i + 1)  # the same position again
+            for k in others:
+                positions.pop(k, None)
+
+    t = threading.Thread(target=mutate)
+    t.start()
+    runs = 0
+    try:
+        while time.monotonic() < deadline or runs == 0:
+            m, ctx = fresh()
+            current[0] = ctx
+            one_request(m, ctx)
+            assert m.policy_state() == expected
+            m.check_invariants()
+            runs += 1
+    finally:
+        stop.set()
+        t.join()
