@@ -531,14 +531,60 @@ def test_hot_calls_cross_into_rust_directly() -> None:
 
     plain, counting = CPUOffloadingManager(4), Counting(4)
     for name in _DIRECT_CALLS:
-        # The core's own method: no Python frame between the caller and Rust.
-        assert getattr(plain, name) == getattr(plain._core, name)
-        assert type(getattr(plain, name)).__name__ == "builtin_function_or_method"
+        # The core's own method (lookup: its builtin bound to the core, which skips PyO3's
+        # method wrapper): no Python frame between the caller and Rust.
+        call = getattr(plain, name)
+        if name == "lookup":
+            assert call.__self__ is plain._core
+            assert call.__name__ == "lookup"
+        else:
+            assert call == getattr(plain._core, name)
+        assert type(call).__name__ == "builtin_function_or_method"
     # A subclass's override is kept; the calls it does not override still go straight in.
     ctx = ReqContext(req_id="")
     assert counting.lookup(k(1), ctx) == MISS
     assert Counting.looked_up == 1
     assert counting.prepare_store == counting._core.prepare_store
+
+
+def test_fast_lookup_takes_arguments_as_the_method_does() -> None:
+    """The lookup builtin answers exactly as the core's method for every way of calling it,
+    and refuses bad calls with the method's own errors, changing nothing."""
+    import inspect
+
+    from kvoffload import CPUOffloadingManager, KVOffloadError
+
+    m = CPUOffloadingManager(4)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1)
+    fast, method = m.lookup, m._core.lookup
+    assert fast is not method
+    assert str(inspect.signature(fast)) == str(inspect.signature(method))
+    calls: list[tuple[tuple[object, ...], dict[str, object]]] = [
+        ((k(1),), {}),
+        ((k(1), ctx), {}),
+        ((k(2), None), {}),
+        ((), {"key": k(1)}),
+        ((k(1),), {"req_context": ctx}),
+        ((), {"req_context": ctx, "key": k(2)}),
+        ((), {}),
+        ((k(1), ctx, ctx), {}),
+        ((k(1),), {"key": k(1)}),
+        ((k(1),), {"other": 1}),
+        (("a str",), {}),
+        ((None, ctx), {}),
+        ((bytearray(b"x"),), {}),
+    ]
+    for args, kwargs in calls:
+        outcomes = []
+        for f in (fast, method):
+            try:
+                outcomes.append(("ok", f(*args, **kwargs)))
+            except (TypeError, KVOffloadError) as e:
+                outcomes.append((type(e).__name__, str(e)))
+        assert outcomes[0] == outcomes[1], (args, kwargs, outcomes)
+    assert (fast(k(1), ctx), fast(k(2), ctx)) == (HIT, MISS)
+    m.check_invariants()
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])

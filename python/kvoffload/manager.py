@@ -143,11 +143,13 @@ class CPUOffloadingManager:
         self._lock = threading.Lock()
         # The hot calls go straight to the core: each method below that this class does not
         # override is shadowed by the core's bound method, which takes the same arguments, so a
-        # call costs one crossing into Rust and no Python frame.
+        # call costs one crossing into Rust and no Python frame. `lookup`, made once per key,
+        # is the core's builtin that skips PyO3's method wrapper (same answers and errors).
         cls = type(self)
         for name in _DIRECT_CALLS:
             if getattr(cls, name) is getattr(CPUOffloadingManager, name):
-                setattr(self, name, getattr(self._core, name))
+                call = self._core.fast_lookup() if name == "lookup" else getattr(self._core, name)
+                setattr(self, name, call)
 
     @property
     def policy(self) -> Any:

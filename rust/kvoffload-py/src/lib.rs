@@ -1,6 +1,7 @@
 //! `kvoffload._native`: `PyO3` bindings of kvoffload-core. Only module exports live here.
 
 mod errors;
+mod fastcall;
 mod host;
 mod keys;
 mod liveness;

@@ -420,6 +420,24 @@ impl ManagerCore {
         )
     }
 
+    /// The body of `lookup`: one key, the context not read.
+    pub(crate) fn lookup_one<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let key = one_key(key)?;
+        // The table, lock-free; the lock only when that cannot answer (a long key, or a slot
+        // rewritten under the probe).
+        let found = match self.table.probe(key, core::hash_key(key)) {
+            core::Probe::Miss => Lookup::Miss,
+            core::Probe::Pending => Lookup::HitPending,
+            core::Probe::Ready => Lookup::Hit,
+            core::Probe::Unsure => self.lock(py)?.lookup(key),
+        };
+        Ok(self.types(py)?.lookup[lookup_index(found)].bind(py).clone())
+    }
+
     /// Positions of a recording call's keys, if the policy reads them, walking the context's
     /// positions dict on from where the request's last call left it.
     fn positions<'py>(
@@ -668,16 +686,14 @@ impl ManagerCore {
         req_context: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = req_context;
-        let key = one_key(key)?;
-        // The table, lock-free; the lock only when that cannot answer (a long key, or a slot
-        // rewritten under the probe).
-        let found = match self.table.probe(key, core::hash_key(key)) {
-            core::Probe::Miss => Lookup::Miss,
-            core::Probe::Pending => Lookup::HitPending,
-            core::Probe::Ready => Lookup::Hit,
-            core::Probe::Unsure => self.lock(py)?.lookup(key),
-        };
-        Ok(self.types(py)?.lookup[lookup_index(found)].bind(py).clone())
+        self.lookup_one(py, key)
+    }
+
+    /// [`lookup`](Self::lookup) bound to this core as a builtin that the interpreter calls
+    /// directly (see [`crate::fastcall`]): the same answers and errors, without `PyO3`'s method
+    /// wrapper around each call.
+    fn fast_lookup<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        crate::fastcall::bind_lookup(slf)
     }
 
     /// Number of leading keys that are HIT; the context is not read.
