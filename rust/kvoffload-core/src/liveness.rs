@@ -3,8 +3,10 @@
 //! is found and overdue ones are expired in O(1) amortised per write.
 //!
 //! A FIFO with lazy deletion. Completing or failing a store never touches the queue: an entry is
-//! live while its chunk is pending and the entry is the chunk's latest write (same ticket). Dead
-//! entries are dropped when they reach the front; when a batch of writes would bring the queue
+//! live while its chunk is pending with the sequence number the chunk's slot had when the write
+//! started (the table changes a slot's number whenever its key changes, so a later write to the
+//! same chunk has another number, and nothing per chunk is kept here). Dead entries are dropped
+//! when they reach the front; when a batch of writes would bring the queue
 //! to `2 * pending + SLACK` entries, the dead ones at the front go, and if that is not enough the
 //! whole queue is compacted (removing at least half of what it reads: amortised O(1) per write). So it never holds more than twice the chunks in
 //! use, plus `SLACK`.
@@ -17,7 +19,7 @@
 
 use crate::error::{ensure, Result};
 use crate::pool::ChunkId;
-use crate::table::{ChunkState, Slots};
+use crate::table::Slots;
 use std::collections::VecDeque;
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -29,7 +31,8 @@ const SLACK: usize = 64;
 struct Entry {
     start: f64,
     chunk: ChunkId,
-    ticket: u32,
+    /// The slot's sequence number when the write started ([`Slots::pending_seq`]).
+    seq: u32,
 }
 
 /// Seconds since the first call in this process, on `std::time::Instant` (monotonic).
@@ -45,11 +48,6 @@ pub struct PendingWrites {
     /// Read when writes start; `None`: only `set_now` moves the clock.
     source: Option<fn() -> f64>,
     queue: VecDeque<Entry>,
-    /// The ticket of each chunk's latest write (0: none since the last clear).
-    tickets: Vec<u32>,
-    /// The last ticket issued. Before the count would wrap, the live entries are numbered
-    /// afresh from 1 (see `renumber`): 4 bytes a chunk, not 8.
-    last_ticket: u32,
     /// The latest clock reading, in seconds.
     now: f64,
     /// Writes expired since the last `take_expired`.
@@ -82,6 +80,10 @@ impl PendingWrites {
     }
 
     /// The writes to `chunks` started now (they are pending in `refs` already).
+    ///
+    /// A dead entry passes for live only if its slot's sequence number has come round to the
+    /// same value while the entry waits: 2^31 writes to that one chunk, each adding an entry,
+    /// when a queue of more than `2 * pending + SLACK` entries is compacted.
     pub fn started(&mut self, chunks: &[ChunkId], refs: &Slots) {
         if let (Some(source), false) = (self.source, chunks.is_empty()) {
             self.set_now(source());
@@ -94,56 +96,37 @@ impl PendingWrites {
                 self.compact(refs);
             }
         }
-        if u32::try_from(chunks.len()).map_or(true, |n| u32::MAX - self.last_ticket < n) {
-            self.renumber(refs);
-        }
-        self.queue.reserve(chunks.len());
-        for &c in chunks {
-            let i = c as usize;
-            if i >= self.tickets.len() {
-                self.tickets.resize(i + 1, 0);
-            }
-            self.last_ticket += 1;
-            self.tickets[i] = self.last_ticket;
-            self.queue.push_back(Entry {
-                start: self.now,
+        let start = self.now;
+        self.queue.extend(chunks.iter().filter_map(|&c| {
+            let seq = refs.pending_seq(c);
+            debug_assert!(
+                seq.is_some(),
+                "a write started at chunk {c}, which is not pending"
+            );
+            seq.map(|seq| Entry {
+                start,
                 chunk: c,
-                ticket: self.last_ticket,
-            });
-        }
+                seq,
+            })
+        }));
     }
 
-    /// Whether `e` is the latest write of its chunk and that chunk is still pending.
-    fn is_live(&self, e: &Entry, refs: &Slots) -> bool {
-        self.tickets.get(e.chunk as usize) == Some(&e.ticket)
-            && refs.state(e.chunk) == ChunkState::Pending
-    }
-
-    /// Number the live writes 1, 2, ... in queue order, dropping the dead ones: each live
-    /// entry is its chunk's latest write, so the chunk's ticket follows it and no dead entry
-    /// is left to match a new ticket.
-    fn renumber(&mut self, refs: &Slots) {
-        self.compact(refs);
-        self.tickets.fill(0);
-        let (queue, tickets) = (&mut self.queue, &mut self.tickets);
-        for (e, ticket) in queue.iter_mut().zip(1..) {
-            e.ticket = ticket;
-            tickets[e.chunk as usize] = ticket;
-        }
-        self.last_ticket = self.queue.len() as u32;
+    /// Whether `e` is the write in flight at its chunk (the chunk is pending since it).
+    fn is_live(e: &Entry, refs: &Slots) -> bool {
+        refs.pending_seq(e.chunk) == Some(e.seq)
     }
 
     /// Drop every dead entry.
     fn compact(&mut self, refs: &Slots) {
         let mut queue = std::mem::take(&mut self.queue);
-        queue.retain(|e| self.is_live(e, refs));
+        queue.retain(|e| Self::is_live(e, refs));
         self.queue = queue;
     }
 
     /// Drop dead entries at the front; the front (if any) is then the oldest live write.
     fn prune_front(&mut self, refs: &Slots) {
         while let Some(e) = self.queue.front() {
-            if self.is_live(e, refs) {
+            if Self::is_live(e, refs) {
                 break;
             }
             self.queue.pop_front();
@@ -182,7 +165,6 @@ impl PendingWrites {
     /// Forget every write (the cache was reset); the clock and the expired count stay.
     pub fn clear(&mut self) {
         self.queue.clear();
-        self.tickets.clear();
     }
 
     /// Entries held, live and dead.
@@ -192,8 +174,8 @@ impl PendingWrites {
     }
 
     /// Every pending chunk of `refs` has exactly one live entry, start times never decrease,
-    /// none is later than the clock, and the queue is within its bound (twice the chunks ever
-    /// written since the last clear, plus `SLACK`).
+    /// none is later than the clock, and the queue is within its bound (twice the slots in use,
+    /// plus `SLACK`).
     pub fn validate(&self, refs: &Slots) -> Result<()> {
         let mut live = 0;
         let mut last = f64::NEG_INFINITY;
@@ -205,7 +187,7 @@ impl PendingWrites {
                 self.now
             );
             last = e.start;
-            live += usize::from(self.is_live(e, refs));
+            live += usize::from(Self::is_live(e, refs));
         }
         ensure!(
             live == refs.num_pending(),
@@ -213,10 +195,10 @@ impl PendingWrites {
             refs.num_pending()
         );
         ensure!(
-            self.queue.len() <= 2 * self.tickets.len() + SLACK,
-            "liveness: {} entries for {} chunks",
+            self.queue.len() <= 2 * refs.used() + SLACK,
+            "liveness: {} entries for {} slots in use",
             self.queue.len(),
-            self.tickets.len()
+            refs.used()
         );
         Ok(())
     }
@@ -340,29 +322,28 @@ mod tests {
         assert!(t >= 0.0 && monotonic_seconds() >= t);
     }
 
-    /// Tickets are 32-bit: near the wrap the live writes are numbered afresh, and the dead
-    /// entries go, so an old entry never passes for a chunk's latest write.
+    /// A chunk written again and again: only its latest write is live, whichever way the
+    /// earlier ones ended, and the dead entries never pass for it.
     #[test]
-    fn tickets_are_renumbered_before_they_wrap() {
-        let mut refs = table(4);
+    fn only_a_chunks_latest_write_is_live() {
+        let mut refs = table(2);
         let mut w = PendingWrites::new();
-        w.last_ticket = u32::MAX - 2;
-        w.set_now(1.0);
-        start(&mut w, &mut refs, 0); // live throughout
-        start(&mut w, &mut refs, 1); // ticket u32::MAX
-        refs.remove(1); // its entry is dead
-        w.set_now(2.0);
-        // One more would wrap: renumbered first (0 -> 1, dead 1 dropped), then 2 gets 2.
-        start(&mut w, &mut refs, 2);
-        assert_eq!(w.last_ticket, 2);
-        assert_eq!(&w.tickets[..3], &[1, 0, 2]);
-        assert_eq!(w.queued(), 2);
+        for round in 0..50 {
+            w.set_now(f64::from(round));
+            start(&mut w, &mut refs, 0);
+            if round % 3 == 0 {
+                refs.complete_store(0);
+                refs.remove(0);
+            } else {
+                refs.remove(0);
+            }
+        }
+        w.set_now(100.0);
+        start(&mut w, &mut refs, 0);
+        assert_eq!(w.oldest(&refs), Some((100.0, 0)));
         w.validate(&refs).unwrap();
-        start(&mut w, &mut refs, 1);
-        assert_eq!(w.oldest(&refs), Some((1.0, 0)));
-        refs.complete_store(0);
-        assert_eq!(w.oldest(&refs), Some((2.0, 2)));
-        w.validate(&refs).unwrap();
+        assert_eq!(w.take_overdue(-1.0, &refs), vec![0]);
+        assert_eq!(w.oldest(&refs), None);
     }
 
     #[test]

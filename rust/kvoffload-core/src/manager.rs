@@ -207,15 +207,18 @@ pub struct Manager {
     events: Option<Vec<Event>>,
     allocation_sizes: Vec<u64>,
     stores_skipped: u64,
-    /// `protect[c] == protect_stamp` marks chunk `c` protected in the current eviction.
-    protect: Vec<u32>,
+    /// One bit per chunk, set for the chunks an eviction must spare (the offer's resident
+    /// ones) while [`make_room`](Self::make_room) runs, and clear between calls.
+    protected: Vec<u64>,
+    /// Chunks the per-chunk arrays, the table and the policy have grown to since the last
+    /// reset.
+    grown: usize,
     /// One bit per chunk, all clear between calls: [`any_repeated`](Self::any_repeated)'s
     /// scratch (a pool of 10^5 chunks takes 12.5 KiB, which stays in the nearest caches).
     marks: Vec<u64>,
     /// Pinning calls ask the table for pins without compare-and-swap
     /// ([`set_exclusive`](Self::set_exclusive)).
     exclusive_pins: bool,
-    protect_stamp: u32,
     /// The policy is external (plug-in code that may fail): calls check it and undo their
     /// changes when it does, and ref-count changes are mirrored to it.
     external: bool,
@@ -270,10 +273,10 @@ impl Manager {
             events: config.enable_events.then(Vec::new),
             allocation_sizes: Vec::new(),
             stores_skipped: 0,
-            protect: Vec::new(),
+            protected: Vec::new(),
+            grown: 0,
             marks: Vec::new(),
             exclusive_pins: false,
-            protect_stamp: 0,
             external,
             liveness: PendingWrites::new(),
         })
@@ -849,7 +852,7 @@ impl Manager {
         self.generation += 1;
         self.slots.clear();
         self.pool.reset();
-        self.protect.clear();
+        self.grown = 0;
         self.liveness.clear();
     }
 
@@ -990,6 +993,10 @@ impl Manager {
             self.marks.iter().all(|&w| w == 0),
             "manager: repeat marks left set between calls"
         );
+        ensure!(
+            self.protected.iter().all(|&w| w == 0),
+            "manager: protection marks left set between calls"
+        );
         let resident: Vec<bool> = (0..self.slots.used() as ChunkId)
             .map(|c| self.slots.resident(c))
             .collect();
@@ -1068,40 +1075,49 @@ impl Manager {
         if shortfall > self.slots.num_evictable() {
             return Ok(None);
         }
-        if self.protect_stamp == u32::MAX {
-            // Once in four billion evicting calls: no old stamp may match a new one.
-            self.protect.fill(0);
-            self.protect_stamp = 0;
-        }
-        self.protect_stamp += 1;
-        let stamp = self.protect_stamp;
         let mut protected_ready = 0;
         for &c in resident.iter().flatten() {
-            self.protect[c as usize] = stamp;
+            if let Some(w) = self.protected.get_mut((c >> 6) as usize) {
+                *w |= 1 << (c & 63);
+            }
             protected_ready += usize::from(self.slots.raw(c) == 0);
         }
+        let evicted = self.evict_unprotected(shortfall, protected_ready, &mut victims);
+        for &c in resident.iter().flatten() {
+            if let Some(w) = self.protected.get_mut((c >> 6) as usize) {
+                *w = 0;
+            }
+        }
+        Ok(evicted?.then_some(victims))
+    }
+
+    /// Have the policy choose `n` victims into `victims`, sparing the chunks marked in
+    /// `protected` (of which `protected_ready` are evictable); `false` if it cannot.
+    fn evict_unprotected(
+        &mut self,
+        n: usize,
+        protected_ready: usize,
+        victims: &mut Vec<ChunkId>,
+    ) -> Result<bool> {
         // Fewer ready, unprotected chunks than needed: no policy could evict enough. (Offered
         // keys are distinct, so each protected chunk is counted once.)
-        if !self.slots.can_evict(shortfall, protected_ready) {
-            return Ok(None);
+        if !self.slots.can_evict(n, protected_ready) {
+            return Ok(false);
         }
-        let protect = &self.protect;
-        let evicted = self.policy.evict(
-            shortfall,
-            &|c| protect[c as usize] == stamp,
-            &self.slots,
-            &mut victims,
-        );
+        let protected = &self.protected;
+        let evicted = self
+            .policy
+            .evict(n, &|c| is_marked(protected, c), &self.slots, victims);
         if self.policy_failed() {
             return Err(policy_error("evict"));
         }
         if !evicted {
-            return Ok(None);
+            return Ok(false);
         }
         if self.external {
-            self.check_victims(shortfall, &victims)?;
+            self.check_victims(n, victims)?;
         }
-        Ok(Some(victims))
+        Ok(true)
     }
 
     /// An external policy's victims must be exactly `n` distinct, resident, ready and
@@ -1124,7 +1140,7 @@ impl Manager {
             if victims[..i].contains(&c) {
                 return broken(format!("it returned {key} twice"));
             }
-            if self.protect[c as usize] == self.protect_stamp {
+            if is_marked(&self.protected, c) {
                 return broken(format!("{key} is protected (offered in this call)"));
             }
             if self.slots.raw(c) != 0 {
@@ -1201,9 +1217,11 @@ impl Manager {
     }
 
     fn grow(&mut self, n: usize) {
-        if n > self.protect.len() {
-            self.protect.resize(n, 0);
-            self.marks.resize(n.div_ceil(64), 0);
+        if n > self.grown {
+            self.grown = n;
+            self.protected
+                .resize(self.protected.len().max(n.div_ceil(64)), 0);
+            self.marks.resize(self.marks.len().max(n.div_ceil(64)), 0);
             self.slots.grow(n);
             self.policy.grow(n);
         }
@@ -1299,6 +1317,13 @@ fn set_flag(req: &mut RequestState, call: &Call<'_>, which: &[usize], flag: u8) 
 }
 
 /// The error of a manager call whose external policy failed in `method`.
+/// Whether bit `c` of `bits` is set (`false` past the end).
+#[inline]
+fn is_marked(bits: &[u64], c: ChunkId) -> bool {
+    bits.get((c >> 6) as usize)
+        .is_some_and(|&w| (w >> (c & 63)) & 1 != 0)
+}
+
 fn policy_error(method: &str) -> CoreError {
     CoreError::Policy(format!(
         "the cache policy's {method} failed; the call was undone"
@@ -1679,29 +1704,30 @@ mod tests {
         }
     }
 
-    /// The protection stamp wraps after `u32::MAX` evicting calls: the array is cleared, so a
-    /// chunk stamped long ago is not taken for one protected now, and the offer's own resident
-    /// keys stay protected across the wrap.
+    /// The offer's resident chunks are spared by the eviction it causes, and only by that
+    /// one: the marks are cleared after every eviction (made, refused or impossible), so a
+    /// chunk protected once is evictable by the next call.
     #[test]
-    fn protection_stamp_wraps_cleanly() {
+    fn protection_lasts_one_eviction() {
         let mut m = manager(2, PolicyKind::Lru);
         let mut req = m.new_request_state();
         let store = |m: &mut Manager, req: &mut RequestState, keys: &[&[u8]]| {
-            let out = m.prepare_store(keys, None, req).unwrap().unwrap();
+            let out = m.prepare_store(keys, None, req).unwrap()?;
             let stored: Vec<&[u8]> = out.to_store.iter().map(|&i| keys[i]).collect();
             m.complete_store(&stored, true);
-            out.evicted
+            Some(out.evicted)
         };
-        store(&mut m, &mut req, &[b"a", b"b"]);
-        // A stale stamp equal to the next one after the wrap, on the chunk that would be
-        // evicted first: it must not protect that chunk.
-        m.protect_stamp = u32::MAX;
-        m.protect[0] = 1;
-        let evicted = store(&mut m, &mut req, &[b"b", b"c"]);
+        store(&mut m, &mut req, &[b"a", b"b"]).unwrap();
+        // "a" is the oldest, but offered again: "b" goes instead.
+        let evicted = store(&mut m, &mut req, &[b"a", b"c"]).unwrap();
+        assert_eq!(evicted, vec![KeyBuf::from_slice(b"b")]);
+        m.validate().unwrap();
+        // Two absent keys and no room without the protected ones: refused, marks cleared.
+        assert!(store(&mut m, &mut req, &[b"a", b"c", b"d"]).is_none());
+        m.validate().unwrap();
+        // Not offered now: "a" (the oldest) is evictable again.
+        let evicted = store(&mut m, &mut req, &[b"e"]).unwrap();
         assert_eq!(evicted, vec![KeyBuf::from_slice(b"a")]);
-        assert_eq!(m.protect_stamp, 1);
-        // Across the wrap, the resident key of the offer ("b") stayed protected.
-        assert!(m.lookup(b"b") == Lookup::Hit && m.lookup(b"c") == Lookup::Hit);
         m.validate().unwrap();
     }
 

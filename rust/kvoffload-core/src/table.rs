@@ -726,6 +726,21 @@ impl Slots {
         &self.table.slots[c as usize]
     }
 
+    /// The sequence number of pending slot `c` (`None`: not pending). A slot's number changes
+    /// whenever its key does (by 2 per insertion and per removal) and never otherwise, so a
+    /// pending slot's number names the write in flight there: the one its insertion started.
+    #[inline]
+    #[must_use]
+    pub fn pending_seq(&self, c: ChunkId) -> Option<u32> {
+        let w = self
+            .table
+            .slots
+            .get(c as usize)?
+            .state
+            .load(Ordering::Acquire);
+        (code_of(w) == PENDING).then_some(seq_of(w))
+    }
+
     fn code(&self, c: ChunkId) -> u32 {
         self.table
             .slots
