@@ -2,9 +2,10 @@
 //! B1/B2 (keys only), with a real-valued target size for T1.
 //!
 //! T1 and T2 are orders by a sequence number taken from one counter on every move to a list's
-//! newest end. Besides its length, each list keeps an [`EvictionOrder`] of its *evictable*
-//! entries (moves to the newest end append in O(1)), so eviction starts at the oldest evictable
-//! entry and never walks past pinned or pending ones.
+//! newest end. Besides its length, each list keeps an order (a [`SharedOrder`]) of its
+//! *evictable* entries (moves to the newest end append in O(1)), so eviction starts at the oldest
+//! evictable entry and never walks past pinned or pending ones. A chunk is in one list at most,
+//! so the two orders share one node per chunk (its sequence number and links).
 //! The ghost lists share one [`GhostLists`] (one slab of entries, one index: a key's list is one
 //! probe away), trimmed to the capacity after each successful eviction.
 //!
@@ -19,7 +20,7 @@
 //! chunks are passed over, as for vLLM's.
 
 use super::ghosts::{GhostList, GhostLists};
-use super::order::EvictionOrder;
+use super::order::{grow_nodes, last_key, Node, SharedOrder};
 use super::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
 use crate::error::{ensure, Result};
 use crate::key::{hash_key, KeyBuf};
@@ -57,9 +58,11 @@ pub struct ArcPolicy {
     t1_len: usize,
     t2_len: usize,
     /// Evictable T1 entries by sequence number (oldest first; pinned and pending ones held).
-    t1_evictable: EvictionOrder<u64>,
+    t1_evictable: SharedOrder<u64>,
     /// Evictable T2 entries by sequence number (oldest first; pinned and pending ones held).
-    t2_evictable: EvictionOrder<u64>,
+    t2_evictable: SharedOrder<u64>,
+    /// The nodes of both orders, one per chunk (a chunk is in one list at most).
+    nodes: Vec<Node<u64>>,
     next_seq: u64,
     /// Ghost lists B1 and B2, oldest first. Looked up with the keys' precomputed hashes
     /// (`hash_key`).
@@ -80,8 +83,9 @@ impl ArcPolicy {
             info: Vec::new(),
             t1_len: 0,
             t2_len: 0,
-            t1_evictable: EvictionOrder::new(),
-            t2_evictable: EvictionOrder::new(),
+            t1_evictable: SharedOrder::new(),
+            t2_evictable: SharedOrder::new(),
+            nodes: Vec::new(),
             next_seq: 0,
             ghosts: GhostLists::new(),
             paper: false,
@@ -110,9 +114,10 @@ impl ArcPolicy {
         } else {
             &self.t2_evictable
         };
-        let found = next_victim(&mut order.iter(&mut held), protected);
+        let found = next_victim(&mut order.iter(&self.nodes, &mut held), protected);
         for c in held {
-            self.order_of_mut(l).remove(c);
+            let (order, nodes) = self.order_of_mut(l);
+            order.remove(nodes, c);
         }
         found
     }
@@ -190,20 +195,12 @@ impl ArcPolicy {
         self.target
     }
 
-    /// The order of list `l`'s evictable chunks (`l` is `T1` or `T2`).
-    fn order_of(&self, l: List) -> &EvictionOrder<u64> {
+    /// List `l`'s order and the nodes it shares.
+    fn order_of_mut(&mut self, l: List) -> (&mut SharedOrder<u64>, &mut [Node<u64>]) {
         if l == List::T1 {
-            &self.t1_evictable
+            (&mut self.t1_evictable, &mut self.nodes)
         } else {
-            &self.t2_evictable
-        }
-    }
-
-    fn order_of_mut(&mut self, l: List) -> &mut EvictionOrder<u64> {
-        if l == List::T1 {
-            &mut self.t1_evictable
-        } else {
-            &mut self.t2_evictable
+            (&mut self.t2_evictable, &mut self.nodes)
         }
     }
 
@@ -215,7 +212,8 @@ impl ArcPolicy {
         let l = self.info[i].list;
         if l != List::None {
             // A member, or a pinned chunk held in place.
-            self.order_of_mut(l).remove(chunk);
+            let (order, nodes) = self.order_of_mut(l);
+            order.remove(nodes, chunk);
         }
         match l {
             List::T1 => self.t1_len -= 1,
@@ -229,8 +227,8 @@ impl ArcPolicy {
     /// Start loading `chunk`'s entry in the order of its list; changes nothing.
     fn prefetch_order_entry(&self, chunk: ChunkId) {
         match self.info.get(chunk as usize).map(|x| x.list) {
-            Some(List::T1) => self.t1_evictable.prefetch(chunk),
-            Some(List::T2) => self.t2_evictable.prefetch(chunk),
+            Some(List::T1) => self.t1_evictable.prefetch(&self.nodes, chunk),
+            Some(List::T2) => self.t2_evictable.prefetch(&self.nodes, chunk),
             _ => {}
         }
     }
@@ -238,8 +236,8 @@ impl ArcPolicy {
     /// Start loading the neighbours of `chunk` in the order of its list; changes nothing.
     fn prefetch_neighbours(&self, chunk: ChunkId) {
         match self.info.get(chunk as usize).map(|x| x.list) {
-            Some(List::T1) => self.t1_evictable.prefetch_neighbours(chunk),
-            Some(List::T2) => self.t2_evictable.prefetch_neighbours(chunk),
+            Some(List::T1) => self.t1_evictable.prefetch_neighbours(&self.nodes, chunk),
+            Some(List::T2) => self.t2_evictable.prefetch_neighbours(&self.nodes, chunk),
             _ => {}
         }
     }
@@ -249,10 +247,10 @@ impl ArcPolicy {
         self.next_seq += 1;
         let seq = self.next_seq;
         let i = chunk as usize;
-        if l != List::None
-            && self.info[i].list == l
-            && self.order_of_mut(l).move_to_tail(chunk, seq)
-        {
+        if l != List::None && self.info[i].list == l && {
+            let (order, nodes) = self.order_of_mut(l);
+            order.move_to_tail(nodes, chunk, seq)
+        } {
             // Within its list: to the tail as it is (a member stays one, a held entry stays
             // held); the list's count is unchanged.
             return;
@@ -268,7 +266,8 @@ impl ArcPolicy {
         // there, so `mark_evictable` releases it in place (O(1)) rather than inserting it below
         // newer entries, into the tree.
         let held = !self.info[i].evictable;
-        self.order_of_mut(l).push_last(chunk, seq, held);
+        let (order, nodes) = self.order_of_mut(l);
+        order.push_last(nodes, chunk, seq, held);
     }
 
     /// Adapt the target to a ghost hit on `key`; `false` when the key is no ghost.
@@ -292,7 +291,7 @@ impl ArcPolicy {
     fn ordered(&self, l: List) -> Vec<ChunkId> {
         let mut v: Vec<(u64, ChunkId)> = (0..self.info.len())
             .filter(|&i| self.info[i].list == l)
-            .map(|i| (self.order_of(l).last_key(i as ChunkId), i as ChunkId))
+            .map(|i| (last_key(&self.nodes, i as ChunkId), i as ChunkId))
             .collect();
         v.sort_unstable();
         v.into_iter().map(|(_, c)| c).collect()
@@ -313,6 +312,7 @@ impl CachePolicy for ArcPolicy {
             self.info.resize(n, NO_INFO);
             self.t1_evictable.grow(n);
             self.t2_evictable.grow(n);
+            grow_nodes(&mut self.nodes, n);
         }
     }
 
@@ -422,8 +422,8 @@ impl CachePolicy for ArcPolicy {
         let found = {
             let floor_target = self.target as usize;
             let mut virtual_t1 = self.t1_len;
-            let mut t1 = self.t1_evictable.iter(&mut held1);
-            let mut t2 = self.t2_evictable.iter(&mut held2);
+            let mut t1 = self.t1_evictable.iter(&self.nodes, &mut held1);
+            let mut t2 = self.t2_evictable.iter(&self.nodes, &mut held2);
             (0..n).all(|_| {
                 let mut pick = None;
                 if virtual_t1 >= floor_target {
@@ -446,10 +446,10 @@ impl CachePolicy for ArcPolicy {
             })
         };
         for &c in &held1 {
-            self.t1_evictable.remove(c);
+            self.t1_evictable.remove(&mut self.nodes, c);
         }
         for &c in &held2 {
-            self.t2_evictable.remove(c);
+            self.t2_evictable.remove(&mut self.nodes, c);
         }
         if !found {
             out.truncate(start);
@@ -485,6 +485,7 @@ impl CachePolicy for ArcPolicy {
         self.t2_len = 0;
         self.t1_evictable.clear();
         self.t2_evictable.clear();
+        self.nodes.clear();
         self.ghosts.clear();
         self.target = 0.0;
         self.ghost_key = None;
@@ -496,8 +497,9 @@ impl CachePolicy for ArcPolicy {
         self.info[i].evictable = true;
         let l = self.info[i].list;
         if l != List::None {
-            let seq = self.order_of(l).last_key(chunk);
-            self.order_of_mut(l).release(chunk, seq);
+            let seq = last_key(&self.nodes, chunk);
+            let (order, nodes) = self.order_of_mut(l);
+            order.release(nodes, chunk, seq);
         }
     }
 
@@ -507,7 +509,7 @@ impl CachePolicy for ArcPolicy {
         self.info[i].evictable = false;
         let l = self.info[i].list;
         if l != List::None {
-            self.order_of_mut(l).hold(chunk);
+            self.order_of_mut(l).0.hold(chunk);
         }
     }
 
@@ -529,7 +531,7 @@ impl CachePolicy for ArcPolicy {
         let (mut t1, mut t2, mut e1, mut e2) = (0, 0, 0, 0);
         for (i, &res) in resident.iter().enumerate() {
             let l = self.info[i].list;
-            let seq = self.order_of(l).last_key(i as ChunkId);
+            let seq = last_key(&self.nodes, i as ChunkId);
             ensure!(
                 res == (l != List::None),
                 "arc: chunk {i} residency differs from the index"
@@ -550,7 +552,7 @@ impl CachePolicy for ArcPolicy {
                 (&self.t1_evictable, List::T1),
                 (&self.t2_evictable, List::T2),
             ] {
-                if let Some(k) = map.held_key_of(c) {
+                if let Some(k) = map.held_key_of(&self.nodes, c) {
                     ensure!(
                         l == ml && k == seq && (refs.raw(c) > 0 || refs.raw(c) == -1),
                         "arc: chunk {i} held in an order but not pinned or pending there at its \
@@ -565,7 +567,7 @@ impl CachePolicy for ArcPolicy {
                     &self.t2_evictable
                 };
                 ensure!(
-                    map.key_of(i as ChunkId) == Some(seq),
+                    map.key_of(&self.nodes, i as ChunkId) == Some(seq),
                     "arc: chunk {i} missing from its evictable order, or under a stale sequence"
                 );
                 if l == List::T1 {
@@ -583,8 +585,8 @@ impl CachePolicy for ArcPolicy {
             (e1, e2) == (self.t1_evictable.len(), self.t2_evictable.len()),
             "arc: evictable orders hold stale entries"
         );
-        self.t1_evictable.validate()?;
-        self.t2_evictable.validate()?;
+        self.t1_evictable.validate(&self.nodes)?;
+        self.t2_evictable.validate(&self.nodes)?;
         // The paper bounds the directory only on misses it can evict for, which pinned chunks
         // can prevent: its ghost lists have no fixed bound.
         ensure!(

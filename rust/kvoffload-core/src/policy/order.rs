@@ -24,6 +24,11 @@
 //! store) and gets a new key can be held at it directly (`insert_held`: the policies do so when
 //! they re-rank a held chunk or take in a pending one), so its release there is O(1) as well. A
 //! held chunk released after being detached (or at another key) is inserted anew.
+//!
+//! The per-chunk nodes (key and links) can live outside an order: a [`SharedOrder`] is given its
+//! node array by each call, so orders over disjoint chunk sets share one array (ARC's T1 and T2:
+//! a chunk is in one list at most), and an [`EvictionOrder`] is a `SharedOrder` with an array of
+//! its own.
 
 use crate::error::{ensure, Result};
 use crate::key::KeyHasher;
@@ -72,7 +77,7 @@ enum Place {
 /// A chunk's sort key and, when it is in the list or a run, the next (greater) and previous
 /// entries there.
 #[derive(Debug, Clone, Copy)]
-struct Node<K> {
+pub(crate) struct Node<K> {
     key: K,
     next: u32,
     prev: u32,
@@ -85,13 +90,12 @@ struct Run {
     last: u32,
 }
 
-/// An ordered set of chunks keyed by `(K, chunk)`; see the module docs.
+/// An [`EvictionOrder`] whose nodes live outside it, in an array the caller passes to every
+/// call: orders over disjoint sets of chunks (ARC's T1 and T2) share one array, a node per chunk
+/// in all. Only the place of each chunk is the order's own.
 #[derive(Debug, Clone)]
-pub(crate) struct EvictionOrder<K> {
+pub(crate) struct SharedOrder<K> {
     place: Vec<Place>,
-    /// Each chunk's key and links, side by side: an insertion or removal reads and writes one
-    /// line per chunk it touches (the chunk, its neighbours), not one per array.
-    nodes: Vec<Node<K>>,
     head: u32,
     tail: u32,
     /// The list member inserted last (`NIL` when it left the list).
@@ -105,11 +109,10 @@ pub(crate) struct EvictionOrder<K> {
     len: usize,
 }
 
-impl<K: OrderKey> EvictionOrder<K> {
+impl<K: OrderKey> SharedOrder<K> {
     pub(crate) fn new() -> Self {
         Self {
             place: Vec::new(),
-            nodes: Vec::new(),
             head: NIL,
             tail: NIL,
             finger: NIL,
@@ -120,16 +123,10 @@ impl<K: OrderKey> EvictionOrder<K> {
         }
     }
 
-    /// Make room for chunk ids `0..n`.
+    /// Make room for chunk ids `0..n` (the nodes: [`grow_nodes`]).
     pub(crate) fn grow(&mut self, n: usize) {
         if n > self.place.len() {
             self.place.resize(n, Place::Out);
-            let blank = Node {
-                key: K::default(),
-                next: NIL,
-                prev: NIL,
-            };
-            self.nodes.resize(n, blank);
         }
     }
 
@@ -146,77 +143,71 @@ impl<K: OrderKey> EvictionOrder<K> {
     }
 
     /// The sort key of member `c`.
-    pub(crate) fn key_of(&self, c: ChunkId) -> Option<K> {
-        self.contains(c).then(|| self.nodes[c as usize].key)
+    pub(crate) fn key_of(&self, nodes: &[Node<K>], c: ChunkId) -> Option<K> {
+        self.contains(c).then(|| nodes[c as usize].key)
     }
 
     /// Start loading `c`'s entry into the cache; changes nothing.
-    pub(crate) fn prefetch(&self, c: ChunkId) {
+    pub(crate) fn prefetch(&self, nodes: &[Node<K>], c: ChunkId) {
         let i = c as usize;
         if i < self.place.len() {
             crate::mem::prefetch(&self.place[i]);
-            crate::mem::prefetch(&self.nodes[i]);
+            crate::mem::prefetch(&nodes[i]);
         }
     }
 
     /// Start loading the links that removing `c` from the list rewrites (its neighbours').
-    pub(crate) fn prefetch_neighbours(&self, c: ChunkId) {
+    pub(crate) fn prefetch_neighbours(&self, nodes: &[Node<K>], c: ChunkId) {
         let i = c as usize;
         if i < self.place.len() && matches!(self.place[i], Place::List | Place::ListHeld) {
-            let (p, n) = (self.nodes[i].prev, self.nodes[i].next);
+            let (p, n) = (nodes[i].prev, nodes[i].next);
             if p != NIL {
-                crate::mem::prefetch(&self.nodes[p as usize]);
+                crate::mem::prefetch(&nodes[p as usize]);
             }
             if n != NIL {
-                crate::mem::prefetch(&self.nodes[n as usize]);
+                crate::mem::prefetch(&nodes[n as usize]);
             }
         }
     }
 
-    /// The key `c` was last given (by an insertion or [`set_key`](Self::set_key)), whatever
-    /// its place now: a removal keeps it, so a policy can keep each chunk's key here alone.
-    pub(crate) fn last_key(&self, c: ChunkId) -> K {
-        self.nodes[c as usize].key
-    }
-
     /// Give `c`, neither a member nor held, the key a later [`last_key`](Self::last_key)
     /// returns, without inserting it.
-    pub(crate) fn set_key(&mut self, c: ChunkId, k: K) {
+    pub(crate) fn set_key(&mut self, nodes: &mut [Node<K>], c: ChunkId, k: K) {
         debug_assert_eq!(self.place[c as usize], Place::Out);
-        self.nodes[c as usize].key = k;
+        nodes[c as usize].key = k;
     }
 
     /// The key `c` is held at, when it is held.
-    pub(crate) fn held_key_of(&self, c: ChunkId) -> Option<K> {
+    pub(crate) fn held_key_of(&self, nodes: &[Node<K>], c: ChunkId) -> Option<K> {
         self.place
             .get(c as usize)
             .is_some_and(|&p| matches!(p, Place::ListHeld | Place::TreeHeld | Place::RunHeld))
-            .then(|| self.nodes[c as usize].key)
+            .then(|| nodes[c as usize].key)
     }
 
     /// Add `c` with sort key `k` (`c` must be neither a member nor held).
-    pub(crate) fn insert(&mut self, c: ChunkId, k: K) {
+    pub(crate) fn insert(&mut self, nodes: &mut [Node<K>], c: ChunkId, k: K) {
         let i = c as usize;
         debug_assert_eq!(self.place[i], Place::Out);
-        self.nodes[i].key = k;
+        nodes[i].key = k;
         self.len += 1;
         let me = (k, c);
-        let entry = |m: u32| (self.nodes[m as usize].key, m);
+        let entry = |m: u32| (nodes[m as usize].key, m);
         // The member after which `c` belongs, if that spot is the tail or next to the finger.
         let after = if self.tail == NIL || me > entry(self.tail) {
             Some(self.tail)
         } else if self.finger != NIL && me < entry(self.finger) {
-            let p = self.nodes[self.finger as usize].prev;
+            let p = nodes[self.finger as usize].prev;
             (p == NIL || entry(p) < me).then_some(p)
         } else if self.finger != NIL {
-            let n = self.nodes[self.finger as usize].next;
+            let n = nodes[self.finger as usize].next;
             (n != NIL && me < entry(n)).then_some(self.finger)
         } else {
             None
         };
         if let Some(p) = after {
-            self.link_after(c, p);
-        } else if !self.join_run(c, k) {
+            self.link_after(nodes, c, p);
+        } else if !self.join_run(nodes, c, k) {
             self.place[i] = Place::Tree;
             self.tree.insert(me);
         }
@@ -224,11 +215,10 @@ impl<K: OrderKey> EvictionOrder<K> {
 
     /// Put `c` (key `k`) at an end of its group's run, or start the run; `false` when `k` has
     /// no group or falls inside its run.
-    fn join_run(&mut self, c: ChunkId, k: K) -> bool {
+    fn join_run(&mut self, nodes: &mut [Node<K>], c: ChunkId, k: K) -> bool {
         let Some(g) = k.group() else { return false };
         let i = c as usize;
         let me = (k, c);
-        let nodes = &mut self.nodes;
         let entry = |nodes: &[Node<K>], m: u32| (nodes[m as usize].key, m);
         match self.runs.get_mut(&g) {
             None => {
@@ -257,20 +247,20 @@ impl<K: OrderKey> EvictionOrder<K> {
 
     /// Link `c`'s neighbours in its chain (the list or a run) to each other; returns them
     /// (`NIL` at an end), for the caller to move the chain's ends.
-    fn splice_out(&mut self, c: ChunkId) -> (u32, u32) {
-        let Node { prev, next, .. } = self.nodes[c as usize];
+    fn splice_out(nodes: &mut [Node<K>], c: ChunkId) -> (u32, u32) {
+        let Node { prev, next, .. } = nodes[c as usize];
         if prev != NIL {
-            self.nodes[prev as usize].next = next;
+            nodes[prev as usize].next = next;
         }
         if next != NIL {
-            self.nodes[next as usize].prev = prev;
+            nodes[next as usize].prev = prev;
         }
         (prev, next)
     }
 
     /// Take `chunk` (in the run of `group`) out of the run; the run goes when it empties.
-    fn leave_run(&mut self, chunk: ChunkId, group: u64) {
-        let (before, after) = self.splice_out(chunk);
+    fn leave_run(&mut self, nodes: &mut [Node<K>], chunk: ChunkId, group: u64) {
+        let (before, after) = Self::splice_out(nodes, chunk);
         match (before, after) {
             (NIL, NIL) => {
                 self.runs.remove(&group);
@@ -291,48 +281,48 @@ impl<K: OrderKey> EvictionOrder<K> {
     }
 
     /// Link `c` into the list right after `p` (`NIL`: at the head).
-    fn link_after(&mut self, c: ChunkId, p: u32) {
+    fn link_after(&mut self, nodes: &mut [Node<K>], c: ChunkId, p: u32) {
         let i = c as usize;
         let n = if p == NIL {
             self.head
         } else {
-            self.nodes[p as usize].next
+            nodes[p as usize].next
         };
         self.place[i] = Place::List;
-        self.nodes[i].prev = p;
-        self.nodes[i].next = n;
+        nodes[i].prev = p;
+        nodes[i].next = n;
         if p == NIL {
             self.head = c;
         } else {
-            self.nodes[p as usize].next = c;
+            nodes[p as usize].next = c;
         }
         if n == NIL {
             self.tail = c;
         } else {
-            self.nodes[n as usize].prev = c;
+            nodes[n as usize].prev = c;
         }
         self.finger = c;
     }
 
     /// Drop `c` if it is a member or held.
-    pub(crate) fn remove(&mut self, c: ChunkId) {
+    pub(crate) fn remove(&mut self, nodes: &mut [Node<K>], c: ChunkId) {
         let i = c as usize;
         let place = self.place.get(i).copied().unwrap_or(Place::Out);
         match place {
             Place::Out => return,
             Place::Tree | Place::TreeHeld => {
-                self.tree.remove(&(self.nodes[i].key, c));
+                self.tree.remove(&(nodes[i].key, c));
             }
             Place::Run | Place::RunHeld => {
-                if let Some(g) = self.nodes[i].key.group() {
-                    self.leave_run(c, g);
+                if let Some(g) = nodes[i].key.group() {
+                    self.leave_run(nodes, c, g);
                 }
             }
             Place::List | Place::ListHeld => {
                 if self.finger == c {
                     self.finger = NIL;
                 }
-                let (p, n) = self.splice_out(c);
+                let (p, n) = Self::splice_out(nodes, c);
                 if p == NIL {
                     self.head = n;
                 }
@@ -365,8 +355,8 @@ impl<K: OrderKey> EvictionOrder<K> {
     /// Add `c` (neither a member nor held) as an entry held at `k`, as if inserted at `k` and
     /// then held: a pinned chunk given a new key keeps a place there, so its release at `k`
     /// costs O(1) instead of an insertion that most likely lands in the tree.
-    pub(crate) fn insert_held(&mut self, c: ChunkId, k: K) {
-        self.insert(c, k);
+    pub(crate) fn insert_held(&mut self, nodes: &mut [Node<K>], c: ChunkId, k: K) {
+        self.insert(nodes, c, k);
         self.hold(c);
     }
 
@@ -376,7 +366,7 @@ impl<K: OrderKey> EvictionOrder<K> {
     /// then [`insert`](Self::insert) (and [`hold`](Self::hold) for a held entry), with the
     /// list's tail known to be the spot: the move that recency policies make most. Its
     /// unlinking repeats `remove`'s on purpose: sharing one routine cost ~25 instructions a move.
-    pub(crate) fn move_to_tail(&mut self, c: ChunkId, k: K) -> bool {
+    pub(crate) fn move_to_tail(&mut self, nodes: &mut [Node<K>], c: ChunkId, k: K) -> bool {
         let i = c as usize;
         let Some(&place) = self.place.get(i) else {
             return false;
@@ -387,11 +377,11 @@ impl<K: OrderKey> EvictionOrder<K> {
                 let held = place == Place::ListHeld;
                 if self.tail == c {
                     // Already last: only the key changes.
-                    self.nodes[i].key = k;
+                    nodes[i].key = k;
                     self.finger = c;
                     return true;
                 }
-                let (before, after) = self.splice_out(c);
+                let (before, after) = Self::splice_out(nodes, c);
                 if before == NIL {
                     self.head = after;
                 }
@@ -399,26 +389,26 @@ impl<K: OrderKey> EvictionOrder<K> {
                 held
             }
             Place::Tree | Place::TreeHeld => {
-                self.tree.remove(&(self.nodes[i].key, c));
+                self.tree.remove(&(nodes[i].key, c));
                 place == Place::TreeHeld
             }
             Place::Run | Place::RunHeld => {
-                if let Some(g) = self.nodes[i].key.group() {
-                    self.leave_run(c, g);
+                if let Some(g) = nodes[i].key.group() {
+                    self.leave_run(nodes, c, g);
                 }
                 place == Place::RunHeld
             }
         };
-        self.link_last(c, k, held);
+        self.link_last(nodes, c, k, held);
         true
     }
 
     /// Add `c` (neither a member nor held) with key `k`, which must sort above every key in the
     /// order (a fresh rank, a new sequence number): at the list's tail, held when `held`. The
     /// same as [`insert`](Self::insert) (then [`hold`](Self::hold)), in fewer steps.
-    pub(crate) fn push_last(&mut self, c: ChunkId, k: K, held: bool) {
+    pub(crate) fn push_last(&mut self, nodes: &mut [Node<K>], c: ChunkId, k: K, held: bool) {
         debug_assert_eq!(self.place[c as usize], Place::Out);
-        self.link_last(c, k, held);
+        self.link_last(nodes, c, k, held);
         if !held {
             self.len += 1;
         }
@@ -426,11 +416,11 @@ impl<K: OrderKey> EvictionOrder<K> {
 
     /// Link `c`, in no chain, at the list's tail with key `k` (above every key), as a member or
     /// held; the member count is the caller's.
-    fn link_last(&mut self, c: ChunkId, k: K, held: bool) {
+    fn link_last(&mut self, nodes: &mut [Node<K>], c: ChunkId, k: K, held: bool) {
         let i = c as usize;
-        debug_assert!(self.tail == NIL || (self.nodes[self.tail as usize].key, self.tail) < (k, c));
+        debug_assert!(self.tail == NIL || (nodes[self.tail as usize].key, self.tail) < (k, c));
         let tail = self.tail;
-        self.nodes[i] = Node {
+        nodes[i] = Node {
             key: k,
             next: NIL,
             prev: tail,
@@ -438,7 +428,7 @@ impl<K: OrderKey> EvictionOrder<K> {
         if tail == NIL {
             self.head = c;
         } else {
-            self.nodes[tail as usize].next = c;
+            nodes[tail as usize].next = c;
         }
         self.tail = c;
         self.finger = c;
@@ -446,15 +436,15 @@ impl<K: OrderKey> EvictionOrder<K> {
     }
 
     /// Make `c` a member again with sort key `k`: in O(1) if it is still held at `k`.
-    pub(crate) fn release(&mut self, c: ChunkId, k: K) {
+    pub(crate) fn release(&mut self, nodes: &mut [Node<K>], c: ChunkId, k: K) {
         let i = c as usize;
         match self.place[i] {
-            Place::ListHeld if self.nodes[i].key == k => self.place[i] = Place::List,
-            Place::TreeHeld if self.nodes[i].key == k => self.place[i] = Place::Tree,
-            Place::RunHeld if self.nodes[i].key == k => self.place[i] = Place::Run,
+            Place::ListHeld if nodes[i].key == k => self.place[i] = Place::List,
+            Place::TreeHeld if nodes[i].key == k => self.place[i] = Place::Tree,
+            Place::RunHeld if nodes[i].key == k => self.place[i] = Place::Run,
             _ => {
-                self.remove(c);
-                self.insert(c, k);
+                self.remove(nodes, c);
+                self.insert(nodes, c, k);
                 return;
             }
         }
@@ -463,9 +453,14 @@ impl<K: OrderKey> EvictionOrder<K> {
 
     /// Members in ascending `(key, chunk)` order. Held entries met on the way are appended to
     /// `held`; pass them to [`remove`](Self::remove) once the scan is over.
-    pub(crate) fn iter<'a>(&'a self, held: &'a mut Vec<ChunkId>) -> Iter<'a, K> {
+    pub(crate) fn iter<'a>(
+        &'a self,
+        nodes: &'a [Node<K>],
+        held: &'a mut Vec<ChunkId>,
+    ) -> Iter<'a, K> {
         Iter {
             order: self,
+            nodes,
             list: self.head,
             tree: self.tree.iter().peekable(),
             groups: self.run_groups.iter(),
@@ -478,7 +473,6 @@ impl<K: OrderKey> EvictionOrder<K> {
     /// Forget every member.
     pub(crate) fn clear(&mut self) {
         self.place.clear();
-        self.nodes.clear();
         self.head = NIL;
         self.tail = NIL;
         self.finger = NIL;
@@ -493,6 +487,7 @@ impl<K: OrderKey> EvictionOrder<K> {
     /// ascending. Returns the last entry, the members and the entries walked.
     fn check_chain(
         &self,
+        nodes: &[Node<K>],
         first: u32,
         places: [Place; 2],
         group: Option<u64>,
@@ -503,16 +498,13 @@ impl<K: OrderKey> EvictionOrder<K> {
             let i = c as usize;
             ensure!(
                 places.contains(&self.place[i])
-                    && group.is_none_or(|g| self.nodes[i].key.group() == Some(g)),
+                    && group.is_none_or(|g| nodes[i].key.group() == Some(g)),
                 "order: chunk {c} linked in a chain ({group:?}) it does not belong to"
             );
-            ensure!(
-                self.nodes[i].prev == prev,
-                "order: chunk {c} back link broken"
-            );
+            ensure!(nodes[i].prev == prev, "order: chunk {c} back link broken");
             if prev != NIL {
                 ensure!(
-                    (self.nodes[prev as usize].key, prev) < (self.nodes[i].key, c),
+                    (nodes[prev as usize].key, prev) < (nodes[i].key, c),
                     "order: chain ({group:?}) not ascending at chunk {c}"
                 );
             }
@@ -523,20 +515,20 @@ impl<K: OrderKey> EvictionOrder<K> {
                 "order: chain longer than the chunk count (cycle?)"
             );
             prev = c;
-            c = self.nodes[i].next;
+            c = nodes[i].next;
         }
         Ok((prev, members, walked))
     }
 
     /// Check the list and the runs are sorted and linked both ways, and the counts add up.
-    pub(crate) fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self, nodes: &[Node<K>]) -> Result<()> {
         let (tail, mut n, linked) =
-            self.check_chain(self.head, [Place::List, Place::ListHeld], None)?;
+            self.check_chain(nodes, self.head, [Place::List, Place::ListHeld], None)?;
         ensure!(tail == self.tail, "order: tail is not the last list member");
         for &(k, c) in &self.tree {
             let i = c as usize;
             ensure!(
-                matches!(self.place[i], Place::Tree | Place::TreeHeld) && self.nodes[i].key == k,
+                matches!(self.place[i], Place::Tree | Place::TreeHeld) && nodes[i].key == k,
                 "order: stale tree entry for chunk {c}"
             );
             n += usize::from(self.place[i] == Place::Tree);
@@ -550,7 +542,7 @@ impl<K: OrderKey> EvictionOrder<K> {
             let first = self.runs.get(&g).map_or(NIL, |r| r.first);
             ensure!(first != NIL, "order: group {g} listed without a run");
             let (last, members, walked) =
-                self.check_chain(first, [Place::Run, Place::RunHeld], Some(g))?;
+                self.check_chain(nodes, first, [Place::Run, Place::RunHeld], Some(g))?;
             ensure!(
                 self.runs.get(&g).is_some_and(|r| r.last == last),
                 "order: group {g}'s run ends elsewhere"
@@ -576,9 +568,139 @@ impl<K: OrderKey> EvictionOrder<K> {
     }
 }
 
+/// The key `c` was last given in `nodes` (by an insertion or `set_key`), whatever
+/// its place now: a removal keeps it, so a policy can keep each chunk's key here alone.
+pub(crate) fn last_key<K: Copy>(nodes: &[Node<K>], c: ChunkId) -> K {
+    nodes[c as usize].key
+}
+
+/// Make room in a node array for chunk ids `0..n`.
+pub(crate) fn grow_nodes<K: OrderKey>(nodes: &mut Vec<Node<K>>, n: usize) {
+    if n > nodes.len() {
+        let blank = Node {
+            key: K::default(),
+            next: NIL,
+            prev: NIL,
+        };
+        nodes.resize(n, blank);
+    }
+}
+
+/// An ordered set of chunks keyed by `(K, chunk)`; see the module docs. A [`SharedOrder`] with
+/// a node array of its own.
+#[derive(Debug, Clone)]
+pub(crate) struct EvictionOrder<K> {
+    order: SharedOrder<K>,
+    /// Each chunk's key and links, side by side: an insertion or removal reads and writes one
+    /// line per chunk it touches (the chunk, its neighbours), not one per array.
+    nodes: Vec<Node<K>>,
+}
+
+impl<K: OrderKey> EvictionOrder<K> {
+    pub(crate) fn new() -> Self {
+        Self {
+            order: SharedOrder::new(),
+            nodes: Vec::new(),
+        }
+    }
+
+    /// Make room for chunk ids `0..n`.
+    pub(crate) fn grow(&mut self, n: usize) {
+        self.order.grow(n);
+        grow_nodes(&mut self.nodes, n);
+    }
+
+    /// Number of members.
+    pub(crate) fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    /// Whether `c` is a member (held entries are not).
+    pub(crate) fn contains(&self, c: ChunkId) -> bool {
+        self.order.contains(c)
+    }
+
+    /// See [`SharedOrder::prefetch`].
+    pub(crate) fn prefetch(&self, c: ChunkId) {
+        self.order.prefetch(&self.nodes, c);
+    }
+
+    /// See [`SharedOrder::prefetch_neighbours`].
+    pub(crate) fn prefetch_neighbours(&self, c: ChunkId) {
+        self.order.prefetch_neighbours(&self.nodes, c);
+    }
+
+    /// See [`last_key`].
+    pub(crate) fn last_key(&self, c: ChunkId) -> K {
+        last_key(&self.nodes, c)
+    }
+
+    /// See [`SharedOrder::set_key`].
+    pub(crate) fn set_key(&mut self, c: ChunkId, k: K) {
+        self.order.set_key(&mut self.nodes, c, k);
+    }
+
+    /// See [`SharedOrder::held_key_of`].
+    pub(crate) fn held_key_of(&self, c: ChunkId) -> Option<K> {
+        self.order.held_key_of(&self.nodes, c)
+    }
+
+    /// See [`SharedOrder::insert`].
+    pub(crate) fn insert(&mut self, c: ChunkId, k: K) {
+        self.order.insert(&mut self.nodes, c, k);
+    }
+
+    /// See [`SharedOrder::remove`].
+    pub(crate) fn remove(&mut self, c: ChunkId) {
+        self.order.remove(&mut self.nodes, c);
+    }
+
+    /// See [`SharedOrder::hold`].
+    pub(crate) fn hold(&mut self, c: ChunkId) {
+        self.order.hold(c);
+    }
+
+    /// See [`SharedOrder::insert_held`].
+    pub(crate) fn insert_held(&mut self, c: ChunkId, k: K) {
+        self.order.insert_held(&mut self.nodes, c, k);
+    }
+
+    /// See [`SharedOrder::move_to_tail`].
+    pub(crate) fn move_to_tail(&mut self, c: ChunkId, k: K) -> bool {
+        self.order.move_to_tail(&mut self.nodes, c, k)
+    }
+
+    /// See [`SharedOrder::push_last`].
+    pub(crate) fn push_last(&mut self, c: ChunkId, k: K, held: bool) {
+        self.order.push_last(&mut self.nodes, c, k, held);
+    }
+
+    /// See [`SharedOrder::release`].
+    pub(crate) fn release(&mut self, c: ChunkId, k: K) {
+        self.order.release(&mut self.nodes, c, k);
+    }
+
+    /// See [`SharedOrder::iter`].
+    pub(crate) fn iter<'a>(&'a self, held: &'a mut Vec<ChunkId>) -> Iter<'a, K> {
+        self.order.iter(&self.nodes, held)
+    }
+
+    /// Forget every member.
+    pub(crate) fn clear(&mut self) {
+        self.order.clear();
+        self.nodes.clear();
+    }
+
+    /// See [`SharedOrder::validate`].
+    pub(crate) fn validate(&self) -> Result<()> {
+        self.order.validate(&self.nodes)
+    }
+}
+
 /// Merge of the list, the runs and the tree, ascending, skipping (and reporting) held entries.
 pub(crate) struct Iter<'a, K> {
-    order: &'a EvictionOrder<K>,
+    order: &'a SharedOrder<K>,
+    nodes: &'a [Node<K>],
     list: u32,
     tree: Peekable<std::collections::btree_set::Iter<'a, (K, ChunkId)>>,
     /// The groups whose runs are still to come, and the next entry of the current run.
@@ -599,7 +721,7 @@ impl<K: OrderKey> Iter<'_, K> {
                 None => self.more_runs = false,
             }
         }
-        let from_list = (self.list != NIL).then(|| (o.nodes[self.list as usize].key, self.list));
+        let from_list = (self.list != NIL).then(|| (self.nodes[self.list as usize].key, self.list));
         let from_tree = self.tree.peek().map(|&&t| t);
         // The lesser of the list's and the tree's heads, then of that and the run's.
         let (mut best, mut from) = match (from_list, from_tree) {
@@ -608,15 +730,15 @@ impl<K: OrderKey> Iter<'_, K> {
             (None, t) => (t, Source::Tree),
         };
         if self.run != NIL {
-            let r = (o.nodes[self.run as usize].key, self.run);
+            let r = (self.nodes[self.run as usize].key, self.run);
             if best.is_none_or(|b| r < b) {
                 (best, from) = (Some(r), Source::Run);
             }
         }
         let (k, c) = best?;
         match from {
-            Source::List => self.list = o.nodes[c as usize].next,
-            Source::Run => self.run = o.nodes[c as usize].next,
+            Source::List => self.list = self.nodes[c as usize].next,
+            Source::Run => self.run = self.nodes[c as usize].next,
             Source::Tree => {
                 self.tree.next();
             }
@@ -688,7 +810,10 @@ mod tests {
         o.insert(1, (2, -16));
         o.insert(2, (2, -32));
         o.insert(3, (2, -48));
-        assert!(o.tree.is_empty(), "each went next to the previous insert");
+        assert!(
+            o.order.tree.is_empty(),
+            "each went next to the previous insert"
+        );
         o.insert(4, (3, 0));
         o.insert(5, (2, -40)); // between 2 and 3, not next to the finger (4): group 2's run
         o.validate().unwrap();
@@ -717,7 +842,14 @@ mod tests {
         o.insert(4, (1, -32)); // below the run's first
         o.insert(5, (1, -8)); // above the run's last
         o.insert(6, (1, -20)); // inside the run: the tree
-        assert_eq!((o.runs.len(), o.run_groups.len(), o.tree.len()), (1, 1, 1));
+        assert_eq!(
+            (
+                o.order.runs.len(),
+                o.order.run_groups.len(),
+                o.order.tree.len()
+            ),
+            (1, 1, 1)
+        );
         o.validate().unwrap();
         let all = |o: &EvictionOrder<(u64, i64)>| {
             o.iter(&mut Vec::new()).map(|(_, c)| c).collect::<Vec<_>>()
@@ -726,7 +858,7 @@ mod tests {
         // A second group's run sorts after the first's.
         o.insert(7, (2, -4));
         o.insert(8, (2, -12));
-        assert_eq!(o.runs.len(), 2);
+        assert_eq!(o.order.runs.len(), 2);
         assert_eq!(all(&o), vec![4, 6, 3, 5, 0, 8, 7, 1, 2]);
         // Held run entries keep their place; a scan reports them; leaving ends the run's ends.
         o.hold(4);
@@ -740,18 +872,18 @@ mod tests {
         o.remove(4); // the run's first
         o.remove(5); // its last
         o.validate().unwrap();
-        assert_eq!(o.runs[&1].first, 3);
-        assert_eq!(o.runs[&1].last, 3);
+        assert_eq!(o.order.runs[&1].first, 3);
+        assert_eq!(o.order.runs[&1].last, 3);
         o.remove(3); // its only entry: the run goes
         o.remove(7);
         o.remove(8);
-        assert!(o.runs.is_empty() && o.run_groups.is_empty());
+        assert!(o.order.runs.is_empty() && o.order.run_groups.is_empty());
         assert_eq!(all(&o), vec![6, 0, 1, 2]);
         assert_eq!(o.len(), 4);
         o.validate().unwrap();
         o.insert(9, (3, -1));
         o.clear();
-        assert!(o.runs.is_empty() && o.run_groups.is_empty());
+        assert!(o.order.runs.is_empty() && o.order.run_groups.is_empty());
         o.validate().unwrap();
     }
 
@@ -764,7 +896,7 @@ mod tests {
         o.insert(2, (1, -8));
         o.insert(3, (1, -16));
         o.validate().unwrap();
-        o.runs.get_mut(&1).unwrap().last = 3;
+        o.order.runs.get_mut(&1).unwrap().last = 3;
         assert!(o.validate().is_err());
     }
 
@@ -812,7 +944,7 @@ mod tests {
         o.hold(0);
         o.remove(0);
         o.insert_held(0, 30); // a pinned chunk given the newest key: held at the tail
-        assert!(o.tree.is_empty());
+        assert!(o.order.tree.is_empty());
         assert_eq!((o.len(), o.held_key_of(0)), (1, Some(30)));
         o.insert(2, 40);
         o.validate().unwrap();
@@ -820,7 +952,7 @@ mod tests {
         assert_eq!(o.iter(&mut held).count(), 2);
         assert_eq!(held, vec![0]);
         o.release(0, 30); // no scan detached it: back in place, not in the tree
-        assert!(o.tree.is_empty());
+        assert!(o.order.tree.is_empty());
         assert_eq!(
             o.iter(&mut Vec::new()).collect::<Vec<_>>(),
             vec![(20, 1), (30, 0), (40, 2)]
@@ -900,7 +1032,7 @@ mod tests {
             for op in ops {
                 // A fresh rank: the fast order takes it through `push_last`.
                 if let Op::Insert(c, None) | Op::InsertHeld(c) = op {
-                    if slow.place[c as usize] == Place::Out {
+                    if slow.order.place[c as usize] == Place::Out {
                         let held = matches!(op, Op::InsertHeld(_));
                         fast.push_last(c, (next, 0), held);
                         if held {
@@ -912,7 +1044,7 @@ mod tests {
                 }
                 for o in [&mut fast, &mut slow] {
                     match op {
-                        Op::Insert(c, Some((g, p))) if o.place[c as usize] == Place::Out => {
+                        Op::Insert(c, Some((g, p))) if o.order.place[c as usize] == Place::Out => {
                             o.insert(c, (g, -p));
                         }
                         Op::Hold(c) if o.contains(c) => o.hold(c),
@@ -959,7 +1091,7 @@ mod tests {
                 proptest::prop_assert_eq!(fast.len(), slow.len());
                 for c in 0..8 {
                     proptest::prop_assert_eq!(fast.held_key_of(c), slow.held_key_of(c));
-                    proptest::prop_assert_eq!(fast.key_of(c), slow.key_of(c));
+                    proptest::prop_assert_eq!(fast.order.key_of(&fast.nodes, c), slow.order.key_of(&slow.nodes, c));
                 }
             }
         }
