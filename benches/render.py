@@ -630,8 +630,6 @@ def _scaling(
             "kvoffload, whose state is in Rust).",
             "",
         ]
-        if sc["memory"].get("note"):
-            out += [sc["memory"]["note"], ""]
         rows = []
         for policy, per_impl in data.items():
             for impl in _impls(per_impl):

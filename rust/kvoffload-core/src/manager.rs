@@ -207,14 +207,10 @@ pub struct Manager {
     events: Option<Vec<Event>>,
     allocation_sizes: Vec<u64>,
     stores_skipped: u64,
-    /// One bit per chunk, set for the chunks an eviction must spare (the offer's resident
-    /// ones) while [`make_room`](Self::make_room) runs, and clear between calls.
-    protected: Vec<u64>,
-    /// Chunks the per-chunk arrays, the table and the policy have grown to since the last
-    /// reset.
-    grown: usize,
-    /// One bit per chunk, all clear between calls: [`any_repeated`](Self::any_repeated)'s
-    /// scratch (a pool of 10^5 chunks takes 12.5 KiB, which stays in the nearest caches).
+    /// One bit per chunk, all clear between calls: the scratch of
+    /// [`any_repeated`](Self::any_repeated) and of [`make_room`](Self::make_room) (the chunks its
+    /// eviction must spare); a pool of 10^5 chunks takes 12.5 KiB, which stays in the nearest
+    /// caches.
     marks: Vec<u64>,
     /// Pinning calls ask the table for pins without compare-and-swap
     /// ([`set_exclusive`](Self::set_exclusive)).
@@ -273,8 +269,6 @@ impl Manager {
             events: config.enable_events.then(Vec::new),
             allocation_sizes: Vec::new(),
             stores_skipped: 0,
-            protected: Vec::new(),
-            grown: 0,
             marks: Vec::new(),
             exclusive_pins: false,
             external,
@@ -852,7 +846,6 @@ impl Manager {
         self.generation += 1;
         self.slots.clear();
         self.pool.reset();
-        self.grown = 0;
         self.liveness.clear();
     }
 
@@ -991,11 +984,7 @@ impl Manager {
         self.liveness.validate(&self.slots)?;
         ensure!(
             self.marks.iter().all(|&w| w == 0),
-            "manager: repeat marks left set between calls"
-        );
-        ensure!(
-            self.protected.iter().all(|&w| w == 0),
-            "manager: protection marks left set between calls"
+            "manager: scratch marks left set between calls"
         );
         let resident: Vec<bool> = (0..self.slots.used() as ChunkId)
             .map(|c| self.slots.resident(c))
@@ -1077,22 +1066,16 @@ impl Manager {
         }
         let mut protected_ready = 0;
         for &c in resident.iter().flatten() {
-            if let Some(w) = self.protected.get_mut((c >> 6) as usize) {
-                *w |= 1 << (c & 63);
-            }
+            mark(&mut self.marks, c);
             protected_ready += usize::from(self.slots.raw(c) == 0);
         }
         let evicted = self.evict_unprotected(shortfall, protected_ready, &mut victims);
-        for &c in resident.iter().flatten() {
-            if let Some(w) = self.protected.get_mut((c >> 6) as usize) {
-                *w = 0;
-            }
-        }
+        clear_marks(&mut self.marks, resident.iter().flatten().copied());
         Ok(evicted?.then_some(victims))
     }
 
     /// Have the policy choose `n` victims into `victims`, sparing the chunks marked in
-    /// `protected` (of which `protected_ready` are evictable); `false` if it cannot.
+    /// `marks` (of which `protected_ready` are evictable); `false` if it cannot.
     fn evict_unprotected(
         &mut self,
         n: usize,
@@ -1104,10 +1087,10 @@ impl Manager {
         if !self.slots.can_evict(n, protected_ready) {
             return Ok(false);
         }
-        let protected = &self.protected;
+        let marks = &self.marks;
         let evicted = self
             .policy
-            .evict(n, &|c| is_marked(protected, c), &self.slots, victims);
+            .evict(n, &|c| is_marked(marks, c), &self.slots, victims);
         if self.policy_failed() {
             return Err(policy_error("evict"));
         }
@@ -1140,7 +1123,7 @@ impl Manager {
             if victims[..i].contains(&c) {
                 return broken(format!("it returned {key} twice"));
             }
-            if is_marked(&self.protected, c) {
+            if is_marked(&self.marks, c) {
                 return broken(format!("{key} is protected (offered in this call)"));
             }
             if self.slots.raw(c) != 0 {
@@ -1217,10 +1200,8 @@ impl Manager {
     }
 
     fn grow(&mut self, n: usize) {
-        if n > self.grown {
-            self.grown = n;
-            self.protected
-                .resize(self.protected.len().max(n.div_ceil(64)), 0);
+        // The table's high-water mark is the pool's (reset with it).
+        if n > self.slots.used() {
             self.marks.resize(self.marks.len().max(n.div_ceil(64)), 0);
             self.slots.grow(n);
             self.policy.grow(n);
@@ -1234,20 +1215,9 @@ impl Manager {
     fn any_repeated(&mut self, chunks: &[ChunkId]) -> bool {
         let mut repeated = false;
         for &c in chunks {
-            match self.marks.get_mut((c >> 6) as usize) {
-                Some(w) => {
-                    let bit = 1u64 << (c & 63);
-                    repeated |= *w & bit != 0;
-                    *w |= bit;
-                }
-                None => repeated = true,
-            }
+            repeated |= !mark(&mut self.marks, c);
         }
-        for &c in chunks {
-            if let Some(w) = self.marks.get_mut((c >> 6) as usize) {
-                *w = 0;
-            }
-        }
+        clear_marks(&mut self.marks, chunks.iter().copied());
         repeated
     }
 
@@ -1316,7 +1286,18 @@ fn set_flag(req: &mut RequestState, call: &Call<'_>, which: &[usize], flag: u8) 
     }
 }
 
-/// The error of a manager call whose external policy failed in `method`.
+/// Set bit `c` of `bits`; `false` if it was set already or lies past the end.
+#[inline]
+fn mark(bits: &mut [u64], c: ChunkId) -> bool {
+    let Some(w) = bits.get_mut((c >> 6) as usize) else {
+        return false;
+    };
+    let bit = 1u64 << (c & 63);
+    let fresh = *w & bit == 0;
+    *w |= bit;
+    fresh
+}
+
 /// Whether bit `c` of `bits` is set (`false` past the end).
 #[inline]
 fn is_marked(bits: &[u64], c: ChunkId) -> bool {
@@ -1324,6 +1305,17 @@ fn is_marked(bits: &[u64], c: ChunkId) -> bool {
         .is_some_and(|&w| (w >> (c & 63)) & 1 != 0)
 }
 
+/// Clear the words holding the bits of `chunks` (every other bit of them being clear).
+#[inline]
+fn clear_marks(bits: &mut [u64], chunks: impl Iterator<Item = ChunkId>) {
+    for c in chunks {
+        if let Some(w) = bits.get_mut((c >> 6) as usize) {
+            *w = 0;
+        }
+    }
+}
+
+/// The error of a manager call whose external policy failed in `method`.
 fn policy_error(method: &str) -> CoreError {
     CoreError::Policy(format!(
         "the cache policy's {method} failed; the call was undone"
