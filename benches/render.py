@@ -416,6 +416,7 @@ def _floor(fl: dict[str, Any], sc: dict[str, Any] | None) -> list[str]:
         for n, m, t in zip(sizes, minimal, table, strict=True)
     ]
     out += _table(["chunks", "minimal", "vs smallest", "table", "vs smallest"], rows)
+    out += _floor_pointer(fl)
     text = (
         f"At {sizes[-1]:,} chunks the accesses alone add {_ns(extra)} ns a key over "
         f"{sizes[0]:,}. So an operation stays within {FLAT_TARGET}x of its {sizes[0]:,}-chunk "
@@ -430,6 +431,38 @@ def _floor(fl: dict[str, Any], sc: dict[str, Any] | None) -> list[str]:
             "out of reach of the pool-size target by this measure: " + "; ".join(cheap) + "."
         )
     return [*out, text, ""]
+
+
+def _floor_pointer(fl: dict[str, Any]) -> list[str]:
+    """The floor run's ``pointer`` model against ``minimal``, batched and one key at a time:
+    what a slot referring to the stored key object (the layout 64 bytes a chunk needs) would
+    add to a lookup. Nothing for a run made before the model existed."""
+    if "pointer_ns" not in fl:
+        return []
+    sizes, minimal, pointer = fl["sizes"], fl["minimal_ns"], fl["pointer_ns"]
+    one, one_ptr = fl["single_minimal_ns"], fl["single_pointer_ns"]
+    out = [
+        "",
+        "**pointer**: the minimal model with each key out of its slot, as a slot that refers to "
+        "the stored key object instead of holding the key's bytes would have it (a third "
+        "dependent access per key, prefetched for a window like the others; the stored keys "
+        "made in store order). That layout is what manager state of 64 bytes a chunk needs "
+        "(the key's bytes are 40 of a slot's 64 today). The same two models once more for "
+        "lookups of one key, where nothing overlaps (a `lookup` call). ns per key:",
+        "",
+    ]
+    rows = [
+        [f"{n:,}", _ns(m), _ns(p), _x(p / m), _ns(a), _ns(b), _x(b / a)]
+        for n, m, p, a, b in zip(sizes, minimal, pointer, one, one_ptr, strict=True)
+    ]
+    heads = ["chunks", "minimal", "pointer", "ratio", "one key", "one key, pointer", "ratio"]
+    out += _table(heads, rows)
+    out.append(
+        f"At {sizes[-1]:,} chunks the pointer costs {_ns(pointer[-1] - minimal[-1])} ns more a "
+        f"key in a window of {fl['window']} and {_ns(one_ptr[-1] - one[-1])} ns more a lookup "
+        "of one key."
+    )
+    return [*out, ""]
 
 
 def _cheap_ops(sc: dict[str, Any] | None, floor: tuple[int, int, float]) -> list[str]:

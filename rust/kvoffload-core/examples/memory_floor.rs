@@ -13,6 +13,11 @@
 //!   bytes holding the key's words), compared with the key. The misses of a window overlap as
 //!   the manager overlaps them: every index word is prefetched first, then every slot. The
 //!   arrays sit on 2 MiB pages where the kernel grants them (as the manager's tables do).
+//! - `pointer`: `minimal` with the key out of its slot, as a slot that refers to the stored key
+//!   object instead of holding the key's bytes would have it: the slot holds the place of a
+//!   separate line (the stored key, made in store order, so a window's stored keys are adjacent
+//!   too), which a third pass prefetches and compares. What the layout that would take kvoffload
+//!   to 64 bytes a chunk costs a lookup: one more dependent access per key.
 //! - `table`: kvoffload's own chunk table ([`Slots`] filled in key order, then the lock-free
 //!   [`ChunkTable::lookup_prefix`] the binding calls), driven from Rust: the manager's index
 //!   without the Python call around it.
@@ -22,7 +27,8 @@
 //! ```
 //!
 //! Prints, per pool size, nanoseconds per key (best of several runs) and the ratio to the
-//! smallest size. The slots of a window are adjacent too (keys stored in order take
+//! smallest size, and the `minimal` and `pointer` models once more for lookups of one key (a
+//! window of one: nothing to overlap, as in a `lookup` call). The slots of a window are adjacent too (keys stored in order take
 //! consecutive chunks); `--scattered` stores the keys in a random order instead, so every
 //! key's slot is at a random place. `--json PATH` also writes the figures as JSON
 //! (`benches/make_report.py` puts them on the performance page).
@@ -83,6 +89,9 @@ fn huge_zeroed<T: Copy>(n: usize) -> &'static mut [T] {
 struct Pool {
     keys: &'static mut [Line],
     slots: &'static mut [Line],
+    /// The keys again, as the objects a slot would refer to (`pointer`); a slot's last word is
+    /// its key's place here.
+    stored: &'static mut [Line],
     /// `tag << 32 | slot + 1`, 0 when empty.
     index: &'static mut [u64],
     mask: usize,
@@ -100,11 +109,15 @@ impl Pool {
         let pool = Self {
             keys,
             slots: huge_zeroed::<Line>(n),
+            stored: huge_zeroed::<Line>(n),
             index: huge_zeroed::<u64>(words),
             mask: words - 1,
         };
         for (i, &s) in place.iter().enumerate() {
             pool.slots[s] = pool.keys[i];
+            // Stored keys are made in store order: the i-th stored is the i-th made.
+            pool.stored[i] = pool.keys[i];
+            pool.slots[s].0[7] = i as u64;
             let h = pool.keys[i].0[0];
             let mut at = (h as usize) & pool.mask;
             while pool.index[at] != 0 {
@@ -115,10 +128,11 @@ impl Pool {
         pool
     }
 
-    /// Leading keys of `keys[start..start + WINDOW]` that are found (all of them, here).
+    /// Leading keys of `keys[start..start + window]` that are found (all of them, here), the
+    /// keys compared in their slots (`pointer`: in the stored keys the slots refer to).
     #[inline(never)]
-    fn lookup_prefix(&self, start: usize) -> usize {
-        let window = &self.keys[start..start + WINDOW];
+    fn lookup_prefix(&self, start: usize, window: usize, pointer: bool) -> usize {
+        let window = &self.keys[start..start + window];
         let mut at = [0usize; WINDOW];
         for (a, k) in at.iter_mut().zip(window) {
             *a = (k.0[0] as usize) & self.mask;
@@ -140,6 +154,20 @@ impl Pool {
                 }
                 a = (a + 1) & self.mask;
             }
+        }
+        if pointer {
+            let mut obj = [usize::MAX; WINDOW];
+            for (o, &s) in obj.iter_mut().zip(&slot[..window.len()]) {
+                if s != usize::MAX {
+                    *o = self.slots[s].0[7] as usize;
+                    prefetch(&self.stored[*o]);
+                }
+            }
+            return obj
+                .iter()
+                .zip(window)
+                .take_while(|&(&o, k)| o != usize::MAX && self.stored[o].0[..5] == k.0[..5])
+                .count();
         }
         slot.iter()
             .zip(window)
@@ -193,15 +221,17 @@ impl Table {
     }
 }
 
-/// Nanoseconds per key of `windows` random windows of `n` keys, best of `runs`.
+/// Nanoseconds per key of `windows` random windows of `window` keys in a pool of `n`, best of
+/// `runs`.
 fn time(
     n: usize,
+    window: usize,
     lookup_prefix: impl Fn(usize) -> usize,
     windows: usize,
     runs: usize,
     rng: &mut Rng,
 ) -> f64 {
-    let starts: Vec<usize> = (0..windows).map(|_| rng.below(n - WINDOW + 1)).collect();
+    let starts: Vec<usize> = (0..windows).map(|_| rng.below(n - window + 1)).collect();
     let mut best = f64::INFINITY;
     for _ in 0..runs {
         let t = Instant::now();
@@ -209,15 +239,25 @@ fn time(
         for &s in &starts {
             hits += lookup_prefix(black_box(s));
         }
-        let ns = t.elapsed().as_nanos() as f64 / (windows * WINDOW) as f64;
+        let ns = t.elapsed().as_nanos() as f64 / (windows * window) as f64;
         assert_eq!(
             black_box(hits),
-            windows * WINDOW,
+            windows * window,
             "every key is in the pool"
         );
         best = best.min(ns);
     }
     best
+}
+
+/// One pool size's figures, ns per key.
+struct Row {
+    n: usize,
+    minimal: f64,
+    table: f64,
+    pointer: f64,
+    single_minimal: f64,
+    single_pointer: f64,
 }
 
 fn main() {
@@ -249,10 +289,10 @@ fn main() {
     let layout = if scattered { "scattered" } else { "adjacent" };
     println!("lookup_prefix of {WINDOW} adjacent keys, their slots {layout}; ns per key");
     println!(
-        "{:>12}  {:>8} {:>7}  {:>8} {:>7}",
-        "chunks", "minimal", "", "table", ""
+        "{:>12}  {:>8} {:>7}  {:>8} {:>7}  {:>8} {:>7}  {:>15} {:>15}",
+        "chunks", "minimal", "", "table", "", "pointer", "", "single minimal", "single pointer"
     );
-    let mut rows = Vec::new();
+    let mut rows: Vec<Row> = Vec::new();
     for &n in &sizes {
         let mut place: Vec<usize> = (0..n).collect();
         if scattered {
@@ -260,32 +300,49 @@ fn main() {
                 place.swap(i, rng.below(i + 1));
             }
         }
-        let minimal = {
+        let (minimal, pointer, single_minimal, single_pointer) = {
             let pool = Pool::new(n, &place, &mut rng);
-            time(n, |s| pool.lookup_prefix(s), 200_000, 5, &mut rng)
+            let mut t = |window, pointer| {
+                let f = |s| pool.lookup_prefix(s, window, pointer);
+                time(n, window, f, 200_000, 5, &mut rng)
+            };
+            (t(WINDOW, false), t(WINDOW, true), t(1, false), t(1, true))
         };
         let table = {
             let t = Table::new(n, &place, &mut rng);
-            time(n, |s| t.lookup_prefix(s), 200_000, 5, &mut rng)
+            time(n, WINDOW, |s| t.lookup_prefix(s), 200_000, 5, &mut rng)
         };
-        let (m0, t0) = rows.first().map_or((minimal, table), |&(_, m, t)| (m, t));
+        let row = Row {
+            n,
+            minimal,
+            table,
+            pointer,
+            single_minimal,
+            single_pointer,
+        };
+        let first = rows.first().unwrap_or(&row);
         println!(
-            "{n:>12}  {minimal:8.2} {:6.2}x  {table:8.2} {:6.2}x",
-            minimal / m0,
-            table / t0
+            "{n:>12}  {minimal:8.2} {:6.2}x  {table:8.2} {:6.2}x  {pointer:8.2} {:6.2}x  \
+             {single_minimal:15.2} {single_pointer:15.2}",
+            minimal / first.minimal,
+            table / first.table,
+            pointer / first.pointer,
         );
-        rows.push((n, minimal, table));
+        rows.push(row);
     }
     if let Some(path) = json {
-        let list = |f: &dyn Fn(&(usize, f64, f64)) -> String| {
-            rows.iter().map(f).collect::<Vec<_>>().join(", ")
-        };
+        let list = |f: &dyn Fn(&Row) -> String| rows.iter().map(f).collect::<Vec<_>>().join(", ");
+        let ns = |f: fn(&Row) -> f64| list(&|r| format!("{:.3}", f(r)));
         let doc = format!(
             "{{\"window\": {WINDOW}, \"layout\": \"{layout}\", \"sizes\": [{}], \
-             \"minimal_ns\": [{}], \"table_ns\": [{}]}}\n",
-            list(&|r| r.0.to_string()),
-            list(&|r| format!("{:.3}", r.1)),
-            list(&|r| format!("{:.3}", r.2)),
+             \"minimal_ns\": [{}], \"table_ns\": [{}], \"pointer_ns\": [{}], \
+             \"single_minimal_ns\": [{}], \"single_pointer_ns\": [{}]}}\n",
+            list(&|r| r.n.to_string()),
+            ns(|r| r.minimal),
+            ns(|r| r.table),
+            ns(|r| r.pointer),
+            ns(|r| r.single_minimal),
+            ns(|r| r.single_pointer),
         );
         if let Err(e) = std::fs::write(&path, doc) {
             eprintln!("memory_floor: cannot write {path}: {e}");
