@@ -8,6 +8,7 @@ import gc
 import hashlib
 import random
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,16 @@ from kvoffload import (
 
 def blocks(n: int, block_bytes: int, seed: int) -> np.ndarray[Any, Any]:
     return np.random.default_rng(seed).integers(0, 256, (n, block_bytes), dtype=np.uint8)
+
+
+def run_threads(work: Callable[[int], None], n: int, errors: list[BaseException]) -> None:
+    """Run ``work(0)`` .. ``work(n - 1)`` on threads of their own; none may have failed."""
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(n)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert not errors, errors
 
 
 def test_store_then_load_jobs() -> None:
@@ -117,16 +128,43 @@ def test_concurrent_jobs_from_several_threads() -> None:
             except BaseException as e:
                 errors.append(e)
 
-        workers = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join(timeout=60)
-        assert not errors, errors
+        run_threads(work, n_threads, errors)
         results = pool.get_finished()
         assert len(results) == 2 * n_threads * per_thread
         assert all(ok for _, ok in results)
         assert len({j for j, _ in results}) == len(results)
+
+
+def test_jobs_on_one_buffer_from_several_threads_are_all_taken() -> None:
+    # Threads submit jobs on the same source and destination arrays (their own blocks of them)
+    # at the same moments. Each submit checks its buffer with a borrow it drops at once; two
+    # checks must not refuse each other (free-threaded builds can overlap them).
+    n_threads, rounds, bb = 4, 60, 256
+    n = n_threads * rounds
+    with HostPool(n, bb, num_threads=2, register_cuda=False) as pool:
+        src = blocks(n, bb, 20)
+        dst = np.zeros_like(src)
+        start = threading.Barrier(n_threads)
+        errors: list[BaseException] = []
+
+        def work(t: int) -> None:
+            try:
+                for r in range(rounds):
+                    b = r * n_threads + t
+                    start.wait()
+                    pool.submit_store(b, src, [b], [b])
+                    pool.wait([b])
+                    start.wait()
+                    pool.submit_load(n + b, dst, [b], [b])
+                    pool.wait([n + b])
+            except BaseException as e:
+                errors.append(e)
+                start.abort()
+
+        run_threads(work, n_threads, errors)
+        results = pool.get_finished()
+        assert sorted(results) == [(j, True) for j in range(2 * n)]
+        assert (dst == src).all()
 
 
 def test_close_waits_for_jobs_and_keeps_their_results() -> None:

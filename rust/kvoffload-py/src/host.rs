@@ -14,6 +14,7 @@ use numpy::{
     PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
 use std::collections::HashMap;
 use std::ffi::OsString;
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
@@ -98,6 +99,41 @@ fn ids<'a>(py: Python<'_>, arr: &'a PyReadonlyArray1<'_, i64>, what: &str) -> Py
 enum BufBorrow<'py> {
     Read(PyReadonlyArray1<'py, u8>),
     Write(PyReadwriteArray1<'py, u8>),
+}
+
+/// Serialises the taking of transfer buffers' borrows. numpy's borrow flags cover whole
+/// arrays, so two borrows that overlap in time refuse each other even when neither is kept:
+/// `submit` checks its buffer with a borrow it drops at once, and without this two jobs
+/// submitted at the same moment on one buffer (the same device cache, from two threads of a
+/// free-threaded build) could each refuse the other as "in use by another transfer". Under it a
+/// check or a sync transfer's borrow is taken while no other is being taken, so only a borrow
+/// that is *held* (a sync transfer's, for its whole copy) refuses another, as documented. With
+/// the GIL a check runs start to end under it and the lock is never contended.
+static BORROWING: Mutex<()> = Mutex::new(());
+
+/// [`borrow_buf`] under [`BORROWING`]; with `keep` false the borrow is dropped before the lock
+/// is released (a check: the caller gets `None`).
+fn take_borrow<'py>(
+    py: Python<'py>,
+    buf: &Bound<'py, PyArray1<u8>>,
+    dir: Direction,
+    keep: bool,
+) -> PyResult<(Option<BufBorrow<'py>>, RawBuf)> {
+    // Waited for detached from the interpreter (a blocked attached thread would hold up the
+    // free-threaded build's stop-the-world pauses); nothing under it panics or runs Python code
+    // that could take it again, and a poisoned lock guards no data.
+    let guard = BORROWING
+        .lock_py_attached(py)
+        .unwrap_or_else(PoisonError::into_inner);
+    let (borrow, raw) = borrow_buf(py, buf, dir)?;
+    let borrow = if keep {
+        Some(borrow)
+    } else {
+        drop(borrow);
+        None
+    };
+    drop(guard);
+    Ok((borrow, raw))
 }
 
 /// Borrow a flat uint8 array for a transfer: writable for a scatter.
@@ -308,7 +344,7 @@ impl HostMemory {
     ) -> PyResult<()> {
         let dir = self::direction(py, direction)?;
         let pool = self.pool(py)?;
-        let (borrow, raw) = borrow_buf(py, &buf, dir)?;
+        let (borrow, raw) = take_borrow(py, &buf, dir, true)?;
         let spec = TransferSpec {
             block_bytes,
             chunk_offset,
@@ -340,8 +376,7 @@ impl HostMemory {
         let pool = self.pool(py)?;
         // The borrow is checked now and released at once: a queued job outlives this call, and
         // numpy's borrow flags cannot travel with it (documented: do not write a job's buffer).
-        let (borrow, raw) = borrow_buf(py, &buf, dir)?;
-        drop(borrow);
+        let (_, raw) = take_borrow(py, &buf, dir, false)?;
         let spec = TransferSpec {
             block_bytes,
             chunk_offset,
