@@ -8,6 +8,7 @@ import gc
 import hashlib
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from kvoffload import (
     HostPool,
     InvalidArgumentError,
     LookupResult,
+    PoolClosedError,
     ReqContext,
     make_offload_key,
 )
@@ -165,6 +167,47 @@ def test_jobs_on_one_buffer_from_several_threads_are_all_taken() -> None:
         results = pool.get_finished()
         assert sorted(results) == [(j, True) for j in range(2 * n)]
         assert (dst == src).all()
+
+
+def _close_under_submits(seed: int, delay: float) -> int:
+    """Close a pool ``delay`` s after two threads start submitting jobs to it until it is
+    closed; the number of jobs still in flight right after ``close()`` returned."""
+    pool = HostPool(8, 1 << 18, num_threads=1, register_cuda=False)
+    src = blocks(8, 1 << 18, seed)
+    started = threading.Barrier(3)
+    errors: list[BaseException] = []
+
+    def submit(t: int) -> None:
+        try:
+            started.wait()
+            for j in range(10_000):
+                pool.submit_store(t * 100_000 + j, src, [j % 8], [j % 8])
+        except PoolClosedError:
+            return
+        except BaseException as e:
+            errors.append(e)
+
+    workers = [threading.Thread(target=submit, args=(t,)) for t in range(2)]
+    for w in workers:
+        w.start()
+    started.wait()
+    time.sleep(delay)
+    pool.close()
+    in_flight = pool.stats().jobs_in_flight
+    for w in workers:
+        w.join(timeout=60)
+    assert not errors, errors
+    return in_flight
+
+
+def test_close_racing_submits_refuses_or_waits_for_each_job() -> None:
+    # Each job is either refused (PoolClosedError) or queued before close() takes the pool, and
+    # then close() waits for it: none may still be in flight once close() returns (its buffer
+    # is released then).
+    rng = random.Random(5)
+    for rnd in range(25):
+        in_flight = _close_under_submits(rnd, rng.uniform(0, 0.002))
+        assert in_flight == 0, f"round {rnd}: {in_flight} jobs still in flight after close()"
 
 
 def test_close_waits_for_jobs_and_keeps_their_results() -> None:

@@ -14,7 +14,7 @@ use numpy::{
     PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
-use pyo3::sync::MutexExt;
+use pyo3::sync::{MutexExt, RwLockExt};
 use std::collections::HashMap;
 use std::ffi::OsString;
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
@@ -171,12 +171,20 @@ fn borrow_buf<'py>(
     }
 }
 
+/// The error of a call on a closed pool.
+fn closed(py: Python<'_>) -> PyErr {
+    to_py(py, CoreError::Closed("the host pool is closed".into()))
+}
+
 impl HostMemory {
     fn pool(&self, py: Python<'_>) -> PyResult<Arc<HostPool>> {
-        let guard = self.pool.read().unwrap_or_else(PoisonError::into_inner);
+        let guard = self
+            .pool
+            .read_py_attached(py)
+            .unwrap_or_else(PoisonError::into_inner);
         let pool = guard.as_ref().map(Arc::clone);
         drop(guard);
-        pool.ok_or_else(|| to_py(py, CoreError::Closed("the host pool is closed".into())))
+        pool.ok_or_else(|| closed(py))
     }
 
     /// Drop the buffers of jobs `ids` (outside the lock: a decref may run Python code).
@@ -373,7 +381,19 @@ impl HostMemory {
         chunk_offset: usize,
     ) -> PyResult<()> {
         let dir = self::direction(py, direction)?;
-        let pool = self.pool(py)?;
+        // The pool stays locked for reading until the job is queued and its buffer kept: a
+        // concurrent `close` takes the pool under the write lock, then waits for the queued jobs,
+        // then drops the kept buffers, so it either refuses this job or waits for it. (Queued
+        // after that wait, the job would have written into a buffer `close` then dropped.) Only
+        // a free-threaded build can interleave the two; with the GIL this call runs under it.
+        let guard = self
+            .pool
+            .read_py_attached(py)
+            .unwrap_or_else(PoisonError::into_inner);
+        let Some(pool) = guard.as_ref() else {
+            drop(guard);
+            return Err(closed(py));
+        };
         // The borrow is checked now and released at once: a queued job outlives this call, and
         // numpy's borrow flags cannot travel with it (documented: do not write a job's buffer).
         let (_, raw) = take_borrow(py, &buf, dir, false)?;
@@ -402,6 +422,8 @@ impl HostMemory {
             Err(e) => Some((e, keep)),
         };
         drop(map);
+        // Released before `keep` is: a decref may run Python code, which may close the pool.
+        drop(guard);
         match rejected {
             None => Ok(()),
             Some((e, keep)) => {
@@ -437,9 +459,10 @@ impl HostMemory {
     /// Wait for queued jobs, then drop this object's hold on the memory. It is unmapped when the
     /// last view is gone too. Idempotent.
     fn close(&self, py: Python<'_>) {
+        // Taken once no `submit` is between taking the pool and keeping its job's buffer.
         let pool = self
             .pool
-            .write()
+            .write_py_attached(py)
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         detached(py, || self.jobs.wait_all());
