@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -95,3 +96,36 @@ def test_bad_shadow_arguments_raise() -> None:
         CPUOffloadingManager(4, shadow_policies="arc")  # type: ignore[arg-type]
     plain = CPUOffloadingManager(4, shadow_policies=[])
     assert not hasattr(plain, "shadow_report")  # no shadows: the plain manager, no overhead
+
+
+def test_counts_from_several_threads_add_up() -> None:
+    # Lookups from several threads at once, with reports taken meanwhile: no count is lost, and
+    # what the reports took plus what is left adds up to every lookup made.
+    m = CPUOffloadingManager(16, cache_policy="lru", shadow_policies=["fifo"])
+    ctx = ReqContext(req_id="r")
+    out = m.prepare_store(KEYS[:8], ctx)
+    assert out is not None
+    m.complete_store(out.keys_to_store, ctx)
+    n_threads, rounds = 6, 3_000
+    start = threading.Barrier(n_threads + 1)
+    reported: list[dict[tuple[str, str], int]] = []
+
+    def look(t: int) -> None:
+        start.wait()
+        for i in range(rounds):
+            m.lookup(KEYS[(t + i) % 16], ctx)  # the first 8 keys hit
+
+    workers = [threading.Thread(target=look, args=(t,)) for t in range(n_threads)]
+    for w in workers:
+        w.start()
+    start.wait()
+    while any(w.is_alive() for w in workers):
+        reported.append(m.get_stats().data["data"].get(SHADOW_LOOKUPS, {}))
+    for w in workers:
+        w.join()
+    reported.append(m.get_stats().data["data"][SHADOW_LOOKUPS])
+    total = n_threads * rounds
+    hits = sum((t + i) % 16 < 8 for t in range(n_threads) for i in range(rounds))
+    for c in m.shadow_report():
+        assert (c.lookups, c.hits) == (total, hits)
+        assert sum(r.get((c.role, c.policy), 0) for r in reported) == total

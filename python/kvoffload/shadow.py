@@ -22,8 +22,9 @@ call per call, in Rust; requests carry one extra context per shadow.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvoffload import _native
@@ -97,42 +98,51 @@ class ShadowSet:
         self.shadows = [_Shadow(p, num_chunks, store_threshold, max_tracker_size) for p in policies]
         self.live_total = HitCounts(live_policy, "live")
         self.live_since_report = HitCounts(live_policy, "live")
+        # Guards the counts and the making of shadow contexts: a manager may be called from
+        # several threads, and without the GIL (or between two bytecodes with it) an unguarded
+        # `+=` loses counts and a report could see hits counted before their lookups.
+        self._lock = threading.Lock()
 
     def _contexts(self, live: Any) -> list[ReqContext]:
         """Each shadow's context for the live request context ``live`` (made on first use)."""
-        holder = live.get_state(_ShadowContexts)
-        if holder is None:
-            holder = _ShadowContexts()
-            live.set_state(holder)
-        out = []
-        for i in range(len(self.shadows)):
-            ctx = holder.contexts.get(i)
-            if ctx is None:
-                ctx = ReqContext(req_id=str(getattr(live, "req_id", "")))
-                positions = getattr(live, "_offload_key_positions", None)
-                if isinstance(positions, dict):
-                    ctx._offload_key_positions = positions  # the live request's positions
-                holder.contexts[i] = ctx
-            out.append(ctx)
-        return out
+        with self._lock:
+            holder = live.get_state(_ShadowContexts)
+            if holder is None:
+                holder = _ShadowContexts()
+                live.set_state(holder)
+            out = []
+            for i in range(len(self.shadows)):
+                ctx = holder.contexts.get(i)
+                if ctx is None:
+                    ctx = ReqContext(req_id=str(getattr(live, "req_id", "")))
+                    positions = getattr(live, "_offload_key_positions", None)
+                    if isinstance(positions, dict):
+                        ctx._offload_key_positions = positions  # the live request's positions
+                    holder.contexts[i] = ctx
+                out.append(ctx)
+            return out
 
-    def _count_live(self, lookups: int, hits: int) -> None:
-        for c in (self.live_total, self.live_since_report):
-            c.lookups += lookups
-            c.hits += hits
+    def _count(self, live: tuple[int, int], shadows: list[tuple[int, int]]) -> None:
+        """Count ``(lookups, hits)`` for the live policy and for each shadow, at once."""
+        with self._lock:
+            for c in (self.live_total, self.live_since_report):
+                c.lookups += live[0]
+                c.hits += live[1]
+            for s, (lookups, hits) in zip(self.shadows, shadows, strict=True):
+                s.count(lookups, hits)
 
     def lookup(self, key: bytes, live_result: Any) -> None:
         """Count a single lookup, live and in every shadow."""
-        self._count_live(1, int(live_result.name == "HIT"))
-        for s in self.shadows:
-            s.count(1, int(s.core.lookup(key) is LookupResult.HIT))
+        shadows = [(1, int(s.core.lookup(key) is LookupResult.HIT)) for s in self.shadows]
+        self._count((1, int(live_result.name == "HIT")), shadows)
 
     def lookup_prefix(self, keys: Sequence[bytes], live_hits: int) -> None:
         """Count a prefix lookup, live and in every shadow."""
-        self._count_live(_prefix_lookups(len(keys), live_hits), live_hits)
+        shadows = []
         for s in self.shadows:
             hits = s.core.lookup_prefix(keys)
-            s.count(_prefix_lookups(len(keys), hits), hits)
+            shadows.append((_prefix_lookups(len(keys), hits), hits))
+        self._count((_prefix_lookups(len(keys), live_hits), live_hits), shadows)
 
     def prepare_load(self, keys: Sequence[bytes], live_ctx: Any) -> None:
         """Load (and at once complete) the keys each shadow holds."""
@@ -176,16 +186,20 @@ class ShadowSet:
 
     def add_stats(self, stats: OffloadingStats) -> None:
         """Add the counts since the last report to ``stats`` and restart them."""
-        rows = [self.live_since_report] + [s.since_report for s in self.shadows]
-        for c in rows:
+        with self._lock:
+            rows = [self.live_since_report] + [s.since_report for s in self.shadows]
+            taken = [replace(c) for c in rows]
+            for c in rows:
+                c.lookups = c.hits = 0
+        for c in taken:
             labels = (c.role, c.policy)
             stats.increase_counter(SHADOW_LOOKUPS, c.lookups, labels)
             stats.increase_counter(SHADOW_HITS, c.hits, labels)
-            c.lookups = c.hits = 0
 
     def report(self) -> list[HitCounts]:
-        """Totals since construction: the live policy first, then each shadow."""
-        return [self.live_total] + [s.total for s in self.shadows]
+        """Totals since construction (copies): the live policy first, then each shadow."""
+        with self._lock:
+            return [replace(c) for c in [self.live_total] + [s.total for s in self.shadows]]
 
 
 def as_key_list(keys: Iterable[bytes]) -> Any:

@@ -309,9 +309,11 @@ impl HostMemory {
     }
 
     #[getter]
-    fn closed(&self) -> bool {
+    fn closed(&self, py: Python<'_>) -> bool {
+        // Waited for detached, as every wait on this lock: a `close` waiting for the write lock
+        // makes new readers wait behind it, for as long as a `submit` holds the read lock.
         self.pool
-            .read()
+            .read_py_attached(py)
             .unwrap_or_else(PoisonError::into_inner)
             .is_none()
     }
@@ -434,9 +436,19 @@ impl HostMemory {
     }
 
     /// Results of the jobs finished since the last call: `[(job_id, success)]`.
-    fn get_finished(&self) -> Vec<(u64, bool)> {
+    fn get_finished(&self, py: Python<'_>) -> Vec<(u64, bool)> {
+        // Results taken and buffers forgotten under the buffers' lock, under which `submit`
+        // queues: an id whose result this returns is free for reuse at once, never refused by a
+        // submit that still finds its buffer kept. The buffers are dropped after the lock (a
+        // decref may run Python code).
+        let mut map = self
+            .buffers
+            .lock_py_attached(py)
+            .unwrap_or_else(PoisonError::into_inner);
         let done = self.jobs.take_finished();
-        self.release_buffers(done.iter().map(|&(id, _)| id));
+        let dropped: Vec<Py<PyAny>> = done.iter().filter_map(|(id, _)| map.remove(id)).collect();
+        drop(map);
+        drop(dropped);
         done
     }
 

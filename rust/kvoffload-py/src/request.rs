@@ -4,6 +4,7 @@
 
 use kvoffload_core as core;
 use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
 use pyo3::types::PyBytes;
 use std::sync::atomic::AtomicIsize;
 use std::sync::Mutex;
@@ -54,13 +55,18 @@ impl RequestState {
 #[pymethods]
 impl RequestState {
     /// Whether the request has finished (for this manager and generation).
+    // Both read the state under its lock, waited for detached: a manager call may hold it while
+    // a Python policy runs, and a thread blocked attached would hold up the free-threaded
+    // build's stop-the-world pauses, that call's included.
     #[getter]
-    fn finished(&self) -> bool {
-        self.inner.lock().is_ok_and(|s| s.is_finished())
+    fn finished(&self, py: Python<'_>) -> bool {
+        self.inner
+            .lock_py_attached(py)
+            .is_ok_and(|s| s.is_finished())
     }
 
-    fn __repr__(&self) -> String {
-        match self.inner.lock() {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        match self.inner.lock_py_attached(py) {
             Ok(s) => format!(
                 "<RequestState seen={} finished={}>",
                 s.seen_keys().len(),
