@@ -248,6 +248,35 @@ def test_python_twin_in_rust_manager_matches_the_built_in(policy: str) -> None:
 # --- factory and loading ---
 
 
+def test_one_name_registered_from_several_threads_at_once_is_registered_once(
+    policy_modules: Path,
+) -> None:
+    n = 8
+    start = threading.Barrier(n)
+    outcomes: list[str] = []
+
+    def register() -> None:
+        start.wait()
+        try:
+            CachePolicyFactory.register_cache_policy("own-mru-race", OWN_MODULE, "MRUPolicy")
+            outcomes.append("registered")
+        except UnsupportedPolicyError:
+            outcomes.append("refused")
+
+    try:
+        for _ in range(20):
+            threads = [threading.Thread(target=register) for _ in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert sorted(outcomes) == ["refused"] * (n - 1) + ["registered"], outcomes
+            outcomes.clear()
+            CachePolicyFactory._registry.pop("own-mru-race")
+    finally:
+        CachePolicyFactory._registry.pop("own-mru-race", None)
+
+
 def test_factory_resolves_registered_names_then_module_paths(policy_modules: Path) -> None:
     assert CachePolicyFactory.get_cache_policy_cls("lru").__name__ == "LruPolicy"
     CachePolicyFactory.register_cache_policy("own-mru-test", OWN_MODULE, "MRUPolicy")

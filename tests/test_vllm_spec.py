@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -58,6 +59,30 @@ def test_module_imports_without_vllm() -> None:
 
 
 # --- the spec ---
+
+
+def _managers_got_at_once(spec: Any, n: int) -> list[Any]:
+    """What ``spec.get_manager()`` returns to ``n`` threads calling it first at once."""
+    start = threading.Barrier(n)
+    got: list[Any] = []
+
+    def get() -> None:
+        start.wait()
+        got.append(spec.get_manager())
+
+    threads = [threading.Thread(target=get) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got
+
+
+def test_first_get_manager_from_several_threads_builds_one(oracle: Any) -> None:
+    for _ in range(10):
+        got = _managers_got_at_once(make_spec(oracle, 12, OURS), 6)
+        assert len(got) == 6
+        assert all(m is got[0] for m in got)
 
 
 def test_spec_loads_through_vllms_factory(oracle: Any, vllm_mod: Any) -> None:

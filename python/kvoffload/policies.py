@@ -32,6 +32,7 @@ reaches the caller unchanged and the manager undoes its own part of the call; se
 from __future__ import annotations
 
 import importlib
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -188,10 +189,18 @@ class CachePolicyFactory:
     """
 
     _registry: ClassVar[dict[str, Callable[[], type]]] = {}
+    # Makes a registration's check and its entry one step: of two threads registering one name
+    # at once, exactly one succeeds (the other is told it is registered), with or without a GIL.
+    _registering: ClassVar[threading.Lock] = threading.Lock()
 
     @classmethod
     def register_cache_policy(cls, name: str, module_path: str, class_name: str) -> None:
         """Register ``module_path.class_name`` under ``name`` (imported when first used)."""
+        with cls._registering:
+            cls._register(name, module_path, class_name)
+
+    @classmethod
+    def _register(cls, name: str, module_path: str, class_name: str) -> None:
         if name in cls._registry:
             raise UnsupportedPolicyError(f"cache policy {name!r} is already registered")
 

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import importlib
 import sys
+import threading
 import types
 import warnings
 from collections.abc import Callable
@@ -38,6 +39,9 @@ from kvoffload.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.integrations.vllm_worker import HostPoolWorker
 from kvoffload.manager import CPUOffloadingManager
 from kvoffload.policies import POLICY_METHODS
+
+#: Held while a spec builds its manager or worker on first use (rare: once each per spec).
+_BUILDING = threading.RLock()
 
 __all__ = [
     "HOST_POOLS",
@@ -185,12 +189,17 @@ def _build_spec() -> type:
             """The worker-side transfer engine, built on first use."""
             if self.host_pool == "vllm":
                 return super().get_worker(kv_caches)
-            if not self._worker:
-                self._worker = worker_cls.from_spec(self, kv_caches)
-            return self._worker
+            with _BUILDING:  # two threads' first calls build one worker, not two
+                if not self._worker:
+                    self._worker = worker_cls.from_spec(self, kv_caches)
+                return self._worker
 
         def get_manager(self) -> Any:
             """The scheduler-side manager, built on first use."""
+            with _BUILDING:  # two threads' first calls build one manager, not two
+                return self._build_manager()
+
+        def _build_manager(self) -> Any:
             if not self._manager:
                 extra = self.extra_config
                 kwargs: dict[str, Any] = {
