@@ -7,7 +7,9 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+import signal
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -401,23 +403,58 @@ def test_more_memory_than_the_machine_has_is_an_error() -> None:
         HostPool(1 << 20, 1 << 30, register_cuda=False)  # 1 PiB
 
 
-def test_a_forked_child_copies_without_the_parents_threads() -> None:
-    pool = HostPool(8, 1 << 20, num_threads=2, register_cuda=False)
-    src = np.full((8, 1 << 20), 3, np.uint8)
+def in_forked_child(body: Callable[[], int]) -> int:
+    """Run ``body`` in a forked child, which reports through its exit status only (anything
+    it raises: 1); the child's exit code, in the parent."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork of a threaded process
         pid = os.fork()
-    if pid == 0:  # the child: report through the exit status only
+    if pid == 0:
         code = 1
         try:
-            pool.gather(src, range(8), range(8), threads=2)  # runs inline, no hang
-            try:
-                pool.submit_store(1, src, [0], [0])
-            except InvalidArgumentError:
-                code = 0 if (pool.view() == 3).all() else 2
+            code = body()
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_forked_child_does_not_wait_for_the_parents_jobs() -> None:
+    # Jobs in flight at the fork have no thread in the child to finish them: the child's
+    # wait, close and exit must not wait for them (they used to hang forever).
+    pool = HostPool(8, 1 << 20, num_threads=1, register_cuda=False)
+    src = np.full((8, 1 << 20), 5, np.uint8)
+    for j in range(64):
+        pool.submit_store(j, src, [j % 8], [j % 8])  # tens of ms of copying, one thread
+
+    def child() -> int:
+        signal.alarm(20)  # a hang ends the child with SIGALRM
+        in_flight = pool.stats().jobs_in_flight
+        pool.wait(range(64))
+        pool.close()
+        # 3: the child saw none in flight (all done before the fork, or the queue's lock was
+        # copied taken by a parent's thread, which the child then does not wait for).
+        return 0 if in_flight > 0 else 3
+
+    status = in_forked_child(child)
+    pool.wait(range(64))
+    assert sorted(pool.get_finished()) == [(j, True) for j in range(64)]
+    pool.close()
+    assert status in (0, 3)
+
+
+def test_a_forked_child_copies_without_the_parents_threads() -> None:
+    pool = HostPool(8, 1 << 20, num_threads=2, register_cuda=False)
+    src = np.full((8, 1 << 20), 3, np.uint8)
+
+    def child() -> int:
+        pool.gather(src, range(8), range(8), threads=2)  # runs inline, no hang
+        try:
+            pool.submit_store(1, src, [0], [0])
+        except InvalidArgumentError:
+            return 0 if (pool.view() == 3).all() else 2
+        return 1
+
+    assert in_forked_child(child) == 0
     assert not pool.view().any()  # the child's private copy-on-write pages, not ours
     pool.close()

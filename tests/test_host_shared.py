@@ -231,6 +231,14 @@ def test_attach_times_out(shm_name: str) -> None:
         finish(creator)
 
 
+def test_an_attach_timeout_too_long_for_the_clock_waits_instead_of_failing(shm_name: str) -> None:
+    # 2**63 s cannot be added to the monotonic clock: it used to panic (PanicException).
+    with HostPool(8, 4096, shared_name=shm_name, attach_timeout=2.0**63) as pool:
+        pool.view()[0, 0] = 7
+        with HostPool(8, 4096, shared_name=shm_name, attach_timeout=2.0**63) as peer:
+            assert peer.view()[0, 0] == 7
+
+
 def test_sizes_are_checked_on_attach(shm_name: str) -> None:
     with HostPool(8, 4096, shared_name=shm_name) as pool:
         pool.view()[:] = 7

@@ -5,7 +5,7 @@
 use crate::error::{CoreError, Result};
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, TryLockError};
 
 /// A caller-chosen job id.
 pub type JobId = u64;
@@ -41,9 +41,20 @@ impl Shared {
 }
 
 /// The queue; cheap to share (`Arc` inside).
-#[derive(Default, Clone)]
+#[derive(Clone)]
 pub struct JobQueue {
     shared: Arc<Shared>,
+    /// The process that made the queue (and the threads that run its jobs).
+    pid: u32,
+}
+
+impl Default for JobQueue {
+    fn default() -> Self {
+        Self {
+            shared: Arc::default(),
+            pid: std::process::id(),
+        }
+    }
 }
 
 impl JobQueue {
@@ -51,6 +62,27 @@ impl JobQueue {
     #[must_use]
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Whether this is a child forked after the queue was made: the jobs it inherited in flight
+    /// have no thread here to finish them (a fork copies only the forking thread), so waiting
+    /// for them would never end. In a child the waits return at once and those jobs stay in
+    /// flight, abandoned; no thread of the child writes through their buffers.
+    fn forked(&self) -> bool {
+        std::process::id() != self.pid
+    }
+
+    /// The state, locked; in a forked child `None` when the lock is taken, which there means
+    /// taken for good (by a parent's thread at the moment of the fork, copied locked).
+    fn state(&self) -> Option<MutexGuard<'_, Inner>> {
+        if !self.forked() {
+            return Some(self.shared.lock());
+        }
+        match self.shared.inner.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
     }
 
     /// Queue `work` as job `id` on `pool`. An id may be reused once its result was taken.
@@ -82,7 +114,14 @@ impl JobQueue {
                     _ => false,
                 }
             };
-            let ok = start && catch_unwind(AssertUnwindSafe(work)).is_ok();
+            // A cancelled job's work (and the memory it holds on to) is dropped before it is
+            // reported: whoever waited for it may then release that memory at once.
+            let ok = if start {
+                catch_unwind(AssertUnwindSafe(work)).is_ok()
+            } else {
+                drop(work);
+                false
+            };
             let mut inner = shared.lock();
             inner.active.remove(&id);
             inner.finished.push((id, ok));
@@ -96,7 +135,9 @@ impl JobQueue {
     /// whether it was cancelled (false: unknown, running or finished).
     #[must_use]
     pub fn cancel(&self, id: JobId) -> bool {
-        let mut inner = self.shared.lock();
+        let Some(mut inner) = self.state() else {
+            return false;
+        };
         match inner.active.get_mut(&id) {
             Some(s) if *s == JobState::Queued => {
                 *s = JobState::Cancelled;
@@ -109,11 +150,17 @@ impl JobQueue {
     /// Take the results of the jobs finished since the last call, in finishing order.
     #[must_use]
     pub fn take_finished(&self) -> Vec<(JobId, bool)> {
-        std::mem::take(&mut self.shared.lock().finished)
+        self.state()
+            .map(|mut inner| std::mem::take(&mut inner.finished))
+            .unwrap_or_default()
     }
 
-    /// Block until none of `ids` is in flight (ids not in flight are already done).
+    /// Block until none of `ids` is in flight (ids not in flight are already done); in a
+    /// forked child, return at once (see [`forked`](Self::forked)).
     pub fn wait(&self, ids: &[JobId]) {
+        if self.forked() {
+            return;
+        }
         let mut inner = self.shared.lock();
         while ids.iter().any(|id| inner.active.contains_key(id)) {
             inner = self
@@ -124,8 +171,11 @@ impl JobQueue {
         }
     }
 
-    /// Block until no job is in flight.
+    /// Block until no job is in flight; in a forked child, return at once.
     pub fn wait_all(&self) {
+        if self.forked() {
+            return;
+        }
         let mut inner = self.shared.lock();
         while !inner.active.is_empty() {
             inner = self
@@ -136,10 +186,11 @@ impl JobQueue {
         }
     }
 
-    /// Jobs submitted and not finished.
+    /// Jobs submitted and not finished (0 in a forked child that cannot read the state; see
+    /// [`state`](Self::state)).
     #[must_use]
     pub fn in_flight(&self) -> usize {
-        self.shared.lock().active.len()
+        self.state().map_or(0, |inner| inner.active.len())
     }
 }
 
@@ -175,5 +226,29 @@ mod tests {
         q.submit(2, &pool, || {}).unwrap(); // taken ids may be reused
         q.wait_all();
         assert_eq!(q.take_finished(), vec![(2, true)]);
+    }
+
+    #[test]
+    fn a_cancelled_job_lets_go_of_what_it_holds_before_it_is_reported() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let q = JobQueue::new();
+        for round in 0..200 {
+            let held = Arc::new(round);
+            let (tx, rx) = mpsc::channel::<()>();
+            q.submit(1, &pool, move || rx.recv().unwrap()).unwrap();
+            let mine = Arc::clone(&held);
+            q.submit(2, &pool, move || drop(mine)).unwrap();
+            assert!(q.cancel(2));
+            tx.send(()).unwrap();
+            q.wait(&[1, 2]);
+            // Reported finished: the cancelled work, and the Arc it captured, are gone.
+            assert_eq!(Arc::strong_count(&held), 1, "round {round}");
+            let mut got = q.take_finished();
+            got.sort_unstable();
+            assert_eq!(got, vec![(1, true), (2, false)]);
+        }
     }
 }

@@ -135,7 +135,10 @@ pub(crate) fn open(
 ) -> Result<Region> {
     let path = region_path(&shared.name)?;
     let cpath = CString::new(path.clone()).map_err(|_| CoreError::InvalidArgument(path.clone()))?;
-    let deadline = Instant::now() + shared.attach_timeout;
+    // A timeout past what the clock can add (`attach_timeout=2**63`) waits a century instead.
+    let deadline = Instant::now()
+        .checked_add(shared.attach_timeout)
+        .unwrap_or_else(|| Instant::now() + Duration::from_secs(100 * 365 * 86_400));
     let ctx = Ctx {
         layout,
         data_len,
