@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvoffload import HostPool, InvalidArgumentError, SharedRegionError
+from kvoffload import HostPool, InvalidArgumentError, KVOffloadError, SharedRegionError
 
 SHM = Path("/dev/shm")
 pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")
@@ -237,6 +237,46 @@ def test_an_attach_timeout_too_long_for_the_clock_waits_instead_of_failing(shm_n
         pool.view()[0, 0] = 7
         with HostPool(8, 4096, shared_name=shm_name, attach_timeout=2.0**63) as peer:
             assert peer.view()[0, 0] == 7
+
+
+def test_a_file_planted_at_the_name_is_refused(shm_name: str, tmp_path: Path) -> None:
+    # Another user could plant a region-shaped file there (open to all) or a link to one; a
+    # pool must not attach to it, nor spin on it until its timeout.
+    path = path_of(shm_name)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 1 << 16)
+        os.fchmod(fd, 0o666)  # past the umask
+        os.close(fd)
+        t0 = time.monotonic()
+        with pytest.raises(SharedRegionError, match="not a region of this user's"):
+            HostPool(8, 4096, shared_name=shm_name, attach_timeout=30.0)
+        assert time.monotonic() - t0 < 5
+        path.unlink()
+        target = tmp_path / "elsewhere"
+        target.write_bytes(b"")
+        path.symlink_to(target)
+        with pytest.raises(KVOffloadError):
+            HostPool(8, 4096, shared_name=shm_name, attach_timeout=0.5)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_an_exclusive_lock_held_for_good_times_out(shm_name: str) -> None:
+    # A process stopped while holding the region's exclusive lock (a releaser's) must not keep
+    # an attacher waiting past its attach_timeout.
+    path = path_of(shm_name)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 1 << 16)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another open file: it conflicts with the pool's
+        t0 = time.monotonic()
+        with pytest.raises(SharedRegionError, match="timed out waiting for a lock"):
+            HostPool(8, 4096, shared_name=shm_name, shared_mode="attach", attach_timeout=0.3)
+        assert time.monotonic() - t0 < 10
+        os.close(fd)
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def test_sizes_are_checked_on_attach(shm_name: str) -> None:

@@ -15,8 +15,14 @@ use std::time::{Duration, Instant};
 
 impl Ctx<'_> {
     pub(super) fn attach(&self) -> Result<Step> {
+        // Not through a symbolic link: the name must be the region file itself.
         // SAFETY: open with a NUL-terminated path; the result is checked.
-        let raw = unsafe { libc::open(self.cpath.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        let raw = unsafe {
+            libc::open(
+                self.cpath.as_ptr(),
+                libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW,
+            )
+        };
         if raw < 0 {
             let err = std::io::Error::last_os_error();
             if err.raw_os_error() == Some(libc::ENOENT) {
@@ -30,16 +36,14 @@ impl Ctx<'_> {
         // SAFETY: `raw` is a fresh descriptor that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         let st = fstat(&fd)?;
+        self.check_ours(&st)?;
         // SAFETY: flock on our own descriptor.
         if unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
             // No one holds it: every user is gone (killed). Remove it and start over.
             unlink_if_same(self.cpath, st.st_dev, st.st_ino);
             return Ok(Step::Missing);
         }
-        // SAFETY: flock on our own descriptor (blocks only while a releaser holds it briefly).
-        if unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_SH) } != 0 {
-            return Err(last_os_error("flock of a shared region"));
-        }
+        self.lock_shared(&fd)?;
         let st = fstat(&fd)?;
         if st.st_nlink == 0 {
             return Ok(Step::Retry); // unlinked while we waited for the lock
@@ -124,15 +128,73 @@ impl Ctx<'_> {
                     self.path
                 )));
             }
-            if Instant::now() > self.deadline {
-                return Err(CoreError::SharedRegion(format!(
+            self.pause_before_deadline(&mut pause, || {
+                format!(
                     "timed out waiting for the creator of {} (pid {pid}) to finish setting it up",
                     self.path
-                )));
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(20));
+                )
+            })?;
         }
+    }
+}
+
+impl Ctx<'_> {
+    /// Refuse a file at the region's name that another user could have made or could change:
+    /// not a regular file, owned by another user, or writable by others (kvoffload makes its
+    /// regions 0600). Another local user could otherwise plant a file there, read and write this
+    /// process's KV cache through it, or shrink it under the mapping (SIGBUS).
+    fn check_ours(&self, st: &libc::stat) -> Result<()> {
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        let kind = st.st_mode & libc::S_IFMT;
+        if kind != libc::S_IFREG || st.st_uid != me || st.st_mode & 0o022 != 0 {
+            return Err(CoreError::SharedRegion(format!(
+                "{} is not a region of this user's (owner uid {}, mode {:o}; this process runs \
+                 as uid {me}): refusing to attach",
+                self.path,
+                st.st_uid,
+                st.st_mode & 0o7777,
+            )));
+        }
+        Ok(())
+    }
+
+    /// Take a shared lock on the region, waiting no later than the deadline (a releaser holds
+    /// the exclusive lock for a moment; a process stopped while holding it would otherwise
+    /// keep this one waiting forever).
+    fn lock_shared(&self, fd: &OwnedFd) -> Result<()> {
+        let mut pause = Duration::from_micros(100);
+        loop {
+            // SAFETY: flock on our own descriptor.
+            if unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0 {
+                return Ok(());
+            }
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                return Err(last_os_error("flock of a shared region"));
+            }
+            self.pause_before_deadline(&mut pause, || {
+                format!(
+                    "timed out waiting for a lock on {} (another process holds it exclusively)",
+                    self.path
+                )
+            })?;
+        }
+    }
+
+    /// Sleep `pause`, doubled for the next time (up to 20 ms); past the deadline, the error
+    /// `timed_out` describes instead.
+    fn pause_before_deadline(
+        &self,
+        pause: &mut Duration,
+        timed_out: impl FnOnce() -> String,
+    ) -> Result<()> {
+        if Instant::now() > self.deadline {
+            return Err(CoreError::SharedRegion(timed_out()));
+        }
+        std::thread::sleep(*pause);
+        *pause = (*pause * 2).min(Duration::from_millis(20));
+        Ok(())
     }
 }
 
