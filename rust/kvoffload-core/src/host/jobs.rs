@@ -199,12 +199,17 @@ mod tests {
     use super::*;
     use std::sync::mpsc;
 
-    #[test]
-    fn results_wait_cancel_and_duplicate_ids() {
-        let pool = rayon::ThreadPoolBuilder::new()
+    /// A pool of one worker thread: a job that blocks it keeps the next one queued.
+    fn one_thread() -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new()
             .num_threads(1)
             .build()
-            .unwrap();
+            .unwrap()
+    }
+
+    #[test]
+    fn results_wait_cancel_and_duplicate_ids() {
+        let pool = one_thread();
         let q = JobQueue::new();
         let (tx, rx) = mpsc::channel::<()>();
         // Job 1 blocks the only worker until we let it go, so job 2 is still queued.
@@ -230,10 +235,7 @@ mod tests {
 
     #[test]
     fn a_cancelled_job_lets_go_of_what_it_holds_before_it_is_reported() {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
+        let pool = one_thread();
         let q = JobQueue::new();
         for round in 0..200 {
             let held = Arc::new(round);

@@ -136,9 +136,7 @@ impl Ctx<'_> {
             })?;
         }
     }
-}
 
-impl Ctx<'_> {
     /// Refuse a file at the region's name that another user could have made or could change:
     /// not a regular file, owned by another user, or writable by others (kvoffload makes its
     /// regions 0600). Another local user could otherwise plant a file there, read and write this
