@@ -58,3 +58,39 @@ def test_record_digests_and_verified_copy(tmp_path: Any, monkeypatch: pytest.Mon
     assert fetch_vllm.verified_copy(src)
     (src / "vllm/utils/math_utils.py").write_bytes(data + b"# changed\n")
     assert not fetch_vllm.verified_copy(src)
+
+
+# --- tools/vllm_oracle.py, without loading vLLM ---
+
+vllm_oracle: Any = _driver._load_tool("vllm_oracle")
+
+
+def test_oracle_names_a_module_vllm_needs_that_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's sources import typing_extensions; without it the oracle says so instead of failing
+    # part-way through its imports (and the vLLM tests skip, or fail, with that reason).
+    if vllm_oracle.unavailable_reason() is not None:
+        pytest.skip(f"the oracle's sources are not in place: {vllm_oracle.unavailable_reason()}")
+    monkeypatch.setattr(vllm_oracle, "_NEEDED_MODULES", ("kvoffload_no_such_module",))
+    reason = vllm_oracle.unavailable_reason()
+    assert reason is not None
+    assert "kvoffload_no_such_module" in reason
+    assert "pip install kvoffload_no_such_module" in reason
+
+
+def test_oracle_stand_ins_can_be_found_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A load that fails part-way leaves its stand-ins in sys.modules; the next load asks
+    # importlib.util.find_spec about them, which raises ValueError on a module without a spec.
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    for name, package in (("kvoffload_stand_in", None), ("kvoffload_stand_in_pkg", "/nowhere")):
+        module = vllm_oracle._module(name, None if package is None else Path(package))
+        monkeypatch.setitem(sys.modules, name, module)
+        spec = importlib.util.find_spec(name)
+        assert spec is module.__spec__
+        assert spec.name == name
+        if package is None:
+            assert spec.submodule_search_locations is None
+        else:
+            assert spec.submodule_search_locations == module.__path__ == [package]

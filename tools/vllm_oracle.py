@@ -18,6 +18,7 @@ below the public observables.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import logging
 import os
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 VLLM_VERSION = "0.33.0"
+#: Third-party modules vLLM's kv_offload sources import that no stand-in replaces.
+_NEEDED_MODULES = ("typing_extensions",)
 
 #: The environment variable naming the oracle directory (its sources are in DIR/src).
 ORACLE_ENV = "KVOFFLOAD_VLLM_ORACLE"
@@ -91,6 +94,9 @@ def unavailable_reason() -> str | None:
     loaded = sys.modules.get("vllm")
     if loaded is not None and not getattr(loaded, "__kvoffload_oracle__", False):
         return "a real 'vllm' package is already imported in this process"
+    for module in _NEEDED_MODULES:
+        if module not in sys.modules and importlib.util.find_spec(module) is None:
+            return f"vLLM {VLLM_VERSION}'s sources import {module}: pip install {module}"
     return None
 
 
@@ -113,8 +119,12 @@ class _QuietLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
 def _module(name: str, package_dir: Path | None = None, **attrs: Any) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__kvoffload_oracle__ = True  # type: ignore[attr-defined]
+    # A spec, as imported modules have: `importlib.util.find_spec` raises on a module in
+    # sys.modules without one (a stand-in left there by an earlier load that failed).
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package_dir is not None)
     if package_dir is not None:
         module.__path__ = [str(package_dir)]
+        module.__spec__.submodule_search_locations = module.__path__
     for key, value in attrs.items():
         setattr(module, key, value)
     return module
