@@ -5,7 +5,8 @@ Runs, each in its own process and all in this one invocation (so the ratios are 
 ``vllm_step.py`` (scheduler-trace replay against vLLM 0.33.0's manager), ``kvoffload bench``
 (the same replay against the reference, every policy) and, where ``cargo`` is on the path, the
 core crate's ``memory_floor`` example (what a lookup's memory accesses alone cost against pool
-size); then, for the targets against vLLM, two
+size) and, where ``valgrind`` is, ``callgrind_ffi.py`` (instructions per key of the FFI cases,
+kvoffload and vLLM); then, for the targets against vLLM, two
 more runs of the target cases and of the replay, each in a fresh process (the page's verdicts
 take the median of the three); then writes the markdown and the PNGs.
 
@@ -43,6 +44,7 @@ MODES: dict[str, dict[str, list[str]]] = {
         "bench": ["--requests", "2000", "--repeat", "3"],
         "targets": ["--sizes", "100000", "--repeat", "3"],
         "floor": ["1000", "100000", "1000000", "10000000"],
+        "callgrind": ["--rounds", "50", "--warmup", "10"],
     },
     "full": {
         "report": ["--sizes", "1000,100000,1000000", "--repeat", "7"],
@@ -51,6 +53,7 @@ MODES: dict[str, dict[str, list[str]]] = {
         "bench": ["--requests", "5000", "--repeat", "3"],
         "targets": ["--sizes", "100000", "--repeat", "7"],
         "floor": ["1000", "10000", "100000", "1000000", "10000000"],
+        "callgrind": ["--rounds", "200", "--warmup", "50"],
     },
 }
 
@@ -103,6 +106,13 @@ def measure(mode: str, out: Path) -> None:
         ]
     else:
         print("make_report: no cargo on the path: the memory floor is left out", file=sys.stderr)
+    if shutil.which("valgrind") is not None:
+        jobs["callgrind"] = [
+            *(py, "callgrind_ffi.py", "--impls", "rust,vllm", "--policies", "lru,arc"),
+            *("--json", str(out / "callgrind.json"), *opts["callgrind"]),
+        ]
+    else:
+        print("make_report: no valgrind: the instruction counts are left out", file=sys.stderr)
     for name, cmd in jobs.items():
         seconds[name] = _run(name, cmd, out / f"{name}.log")
     meta = {
@@ -138,7 +148,7 @@ def _cpus() -> str:
 def load(out: Path) -> dict[str, Any]:
     """The JSON documents of a run, by name (a missing one is absent)."""
     docs: dict[str, Any] = {}
-    for name in ("meta", "ffi", "scaling", "step", "bench", "floor"):
+    for name in ("meta", "ffi", "scaling", "step", "bench", "floor", "callgrind"):
         path = out / f"{name}.json"
         if path.is_file():
             docs[name] = json.loads(path.read_text())

@@ -181,12 +181,51 @@ def render(d: dict[str, Any], docs: Path) -> str:
         ]
     out += _table(["target", "measured", "verdict"], targets)
     out += body
+    if "callgrind" in d:
+        out += _callgrind(d["callgrind"])
     out += CALLGRIND
     if meta.get("commands"):
         out += ["## Commands of this run (from benches/)", "", "```"]
         out += [" ".join(cmd) for cmd in meta["commands"].values()]
         out += ["```", ""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _callgrind(rows: list[dict[str, Any]]) -> list[str]:
+    """The instruction counts of ``callgrind_ffi.py``: a table per policy and operation."""
+    impls = _impls({r["impl"] for r in rows})
+    counts = {(r["policy"], r["op"], r["impl"]): r for r in rows}
+    cases = list(dict.fromkeys((r["policy"], r["op"], r["chunks"]) for r in rows))
+    first = rows[0] if rows else {}
+    rounds = first.get("rounds")
+    out = [
+        "## Instructions per key of the FFI cases (callgrind)",
+        "",
+        "`benches/callgrind_ffi.py`, in this run: each FFI case above (32 keys a call, a full "
+        "pool) in its own process under `valgrind --tool=callgrind`, counting every instruction "
+        "of the measured rounds"
+        + (f" ({rounds} after {first.get('warmup')} uncounted)" if rounds else "")
+        + ": the interpreter's loop, the call, the manager and the caller's handling of the "
+        "result, with hash randomisation off, numpy's BLAS threads at one and the cyclic GC "
+        "paused. Counts move by hundredths of a percent between runs, so these ratios carry "
+        "none of the timings' noise; they are not time (a cache miss costs no instruction), and "
+        "the targets are judged on time.",
+        "",
+    ]
+    header = ["policy", "operation", "chunks", *(IMPL_NAMES[i] for i in impls)]
+    others = [i for i in impls if i != "rust"] if "rust" in impls else []
+    header += [f"{IMPL_NAMES[i]} / kvoffload" for i in others]
+    table: list[list[str]] = []
+    for policy, op, chunks in cases:
+        got = {i: counts.get((policy, op, i)) for i in impls}
+        per_key = {i: (r["per_key"] if r is not None else None) for i, r in got.items()}
+        row = [policy, LABELS[op], f"{chunks:,}", *(_ns(per_key[i]) for i in impls)]
+        base = per_key.get("rust")
+        for i in others:
+            v = per_key[i]
+            row.append(_x(v / base) if v is not None and base else "-")
+        table.append(row)
+    return out + _table(header, table)
 
 
 def _median_of_runs(ratios: list[float]) -> tuple[float, str]:
