@@ -481,7 +481,6 @@ def _floor_pointer(fl: dict[str, Any]) -> list[str]:
     sizes, minimal, pointer = fl["sizes"], fl["minimal_ns"], fl["pointer_ns"]
     one, one_ptr = fl["single_minimal_ns"], fl["single_pointer_ns"]
     out = [
-        "",
         "**pointer**: the minimal model with each key out of its slot, as a slot that refers to "
         "the stored key object instead of holding the key's bytes would have it (a third "
         "dependent access per key, prefetched for a window like the others; the stored keys "
