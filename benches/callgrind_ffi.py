@@ -33,7 +33,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cases import IMPLS, KEYS_PER_OP, LABELS, OPERATIONS, POLICIES, FilledCache, unavailable
+from cases import IMPLS, KEYS_PER_OP, OPERATIONS, POLICIES, FilledCache, unavailable
+from render import callgrind_table
+from report import _ints, _names
 
 #: What callgrind's summary line says: ``==pid== I   refs:      62,583,234``.
 REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
@@ -90,10 +92,6 @@ def count(
     return refs
 
 
-def _names(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
 def main(argv: list[str] | None = None) -> int:
     """Count every asked case and print a markdown table of instructions per key."""
     argv = sys.argv[1:] if argv is None else argv
@@ -105,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impls", type=_names, default=["rust"], help="comma-separated (rust)")
     parser.add_argument("--policies", type=_names, default=["lru", "arc"])
     parser.add_argument("--ops", type=_names, default=list(OPERATIONS))
-    parser.add_argument("--sizes", type=lambda t: [int(x) for x in _names(t)], default=[1000])
+    parser.add_argument("--sizes", type=_ints, default=[1000])
     parser.add_argument("--rounds", type=int, default=200, help="counted rounds (200)")
     parser.add_argument("--warmup", type=int, default=50, help="uncounted rounds first (50)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the counts")
@@ -126,23 +124,21 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, object]] = []
     print(
         f"Instructions per key, {args.rounds} rounds of {KEYS_PER_OP} keys after {args.warmup} "
-        f"uncounted (callgrind; Python {sys.version.split()[0]}):\n"
+        f"uncounted (callgrind; Python {sys.version.split()[0]}):\n",
+        flush=True,
     )
-    header = "| policy | operation | chunks | " + " | ".join(args.impls) + " |"
-    ratios = [i for i in args.impls if i != "rust"] if "rust" in args.impls else []
-    header += "".join(f" {other} / rust |" for other in ratios)
-    print(header)
-    print("|---|---|---:|" + "---:|" * (len(args.impls) + len(ratios)))
     for policy in args.policies:
         for op in args.ops:
             for size in args.sizes:
-                per_key: dict[str, float | None] = {}
                 for impl in args.impls:
                     if unavailable(impl, policy) is not None:
-                        per_key[impl] = None
                         continue
                     refs = count(impl, policy, op, size, args.rounds, args.warmup, valgrind)
-                    per_key[impl] = refs / (args.rounds * KEYS_PER_OP)
+                    per_key = refs / (args.rounds * KEYS_PER_OP)
+                    print(
+                        f"callgrind_ffi: {impl} {policy} {op} {size:,}: {per_key:,.0f}",
+                        file=sys.stderr,
+                    )
                     rows.append(
                         {
                             "impl": impl,
@@ -152,15 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                             "rounds": args.rounds,
                             "warmup": args.warmup,
                             "instructions": refs,
-                            "per_key": per_key[impl],
+                            "per_key": per_key,
                         }
                     )
-                cells = [f"{v:,.0f}" if v is not None else "-" for v in per_key.values()]
-                base = per_key.get("rust")
-                for other in ratios:
-                    v = per_key[other]
-                    cells.append(f"{v / base:.1f}x" if v is not None and base else "-")
-                print(f"| {policy} | {LABELS[op]} | {size:,} | " + " | ".join(cells) + " |")
+    print("\n".join(callgrind_table(rows)))
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

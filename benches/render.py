@@ -192,10 +192,7 @@ def render(d: dict[str, Any], docs: Path) -> str:
 
 
 def _callgrind(rows: list[dict[str, Any]]) -> list[str]:
-    """The instruction counts of ``callgrind_ffi.py``: a table per policy and operation."""
-    impls = _impls({r["impl"] for r in rows})
-    counts = {(r["policy"], r["op"], r["impl"]): r for r in rows}
-    cases = list(dict.fromkeys((r["policy"], r["op"], r["chunks"]) for r in rows))
+    """The instruction counts of ``callgrind_ffi.py``: a section with their table."""
     first = rows[0] if rows else {}
     rounds = first.get("rounds")
     out = [
@@ -212,6 +209,15 @@ def _callgrind(rows: list[dict[str, Any]]) -> list[str]:
         "the targets are judged on time.",
         "",
     ]
+    return out + callgrind_table(rows)
+
+
+def callgrind_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The table of ``callgrind_ffi.py``'s counts: instructions a key, and the ratios of the
+    other implementations' counts to kvoffload's (``callgrind_ffi.py`` prints it too)."""
+    impls = _impls({r["impl"] for r in rows})
+    counts = {(r["policy"], r["op"], r["impl"]): r for r in rows}
+    cases = list(dict.fromkeys((r["policy"], r["op"], r["chunks"]) for r in rows))
     header = ["policy", "operation", "chunks", *(IMPL_NAMES[i] for i in impls)]
     others = [i for i in impls if i != "rust"] if "rust" in impls else []
     header += [f"{IMPL_NAMES[i]} / kvoffload" for i in others]
@@ -225,7 +231,7 @@ def _callgrind(rows: list[dict[str, Any]]) -> list[str]:
             v = per_key[i]
             row.append(_x(v / base) if v is not None and base else "-")
         table.append(row)
-    return out + _table(header, table)
+    return _table(header, table)
 
 
 def _median_of_runs(ratios: list[float]) -> tuple[float, str]:

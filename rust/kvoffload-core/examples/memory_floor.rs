@@ -30,8 +30,8 @@
 //! smallest size, and the `minimal` and `pointer` models once more for lookups of one key (a
 //! window of one: nothing to overlap, as in a `lookup` call). The slots of a window are
 //! adjacent too (keys stored in order take consecutive chunks); `--scattered` stores the keys
-//! in a random order instead, so every key's slot is at a random place. `--json PATH` also writes the figures as JSON
-//! (`benches/make_report.py` puts them on the performance page).
+//! in a random order instead, so every key's slot is at a random place. `--json PATH` also
+//! writes the figures as JSON (`benches/make_report.py` puts them on the performance page).
 
 use kvoffload_core::mem::prefetch;
 use kvoffload_core::{hash_key, ChunkId, ChunkTable, Slots};

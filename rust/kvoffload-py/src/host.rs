@@ -469,9 +469,10 @@ impl HostMemory {
             .take();
         detached(py, || self.jobs.wait_all());
         drop(pool);
-        let map = self.buffers(py);
-        let all: Vec<u64> = map.keys().copied().collect();
-        release_buffers(map, all.into_iter());
+        // Every kept buffer, taken under the lock and dropped after it (a decref may run
+        // Python code).
+        let all = std::mem::take(&mut *self.buffers(py));
+        drop(all);
     }
 }
 
