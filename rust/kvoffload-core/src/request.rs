@@ -8,7 +8,7 @@
 use crate::key::{key_buf, KeyBuf};
 use crate::policy::RequestRank;
 use crate::pool::ChunkId;
-use hashbrown::{HashSet, HashTable};
+use hashbrown::HashSet;
 
 /// The request got a chunk for the key in `prepare_store`.
 pub(crate) const INSERTED: u8 = 1;
@@ -67,7 +67,7 @@ pub struct RequestState {
     /// The policy's per-request slot (LRU: the request rank).
     pub(crate) rank: RequestRank,
     /// Index into `seen` by key hash.
-    table: HashTable<u32>,
+    table: SeenIndex,
     /// Sketch hashes of the keys this request has counted in a `TinyLFU` sketch.
     pub(crate) counted: HashSet<u64>,
     pub(crate) seen: Vec<SeenKey>,
@@ -83,7 +83,7 @@ impl RequestState {
             generation,
             finished: false,
             rank: None,
-            table: HashTable::new(),
+            table: SeenIndex::default(),
             counted: HashSet::new(),
             seen: Vec::new(),
             added: Vec::new(),
@@ -117,13 +117,9 @@ impl RequestState {
     }
 
     pub(crate) fn find(&self, key: &[u8], hash: u64) -> Option<usize> {
-        let seen = &self.seen;
         self.table
-            .find(hash, |&i| {
-                let s = &seen[i as usize];
-                s.hash == hash && s.key.as_slice() == key
-            })
-            .map(|&i| i as usize)
+            .probe(hash, |j| self.seen[j].key.as_slice() == key)
+            .ok()
     }
 
     /// Make room for `n` more keys. The key list and its index start at [`FIRST_INDEX`] keys
@@ -135,10 +131,7 @@ impl RequestState {
         if self.seen.capacity() - len < n {
             self.seen.reserve_exact(extra);
         }
-        if self.table.capacity() - self.table.len() < n {
-            let seen = &self.seen;
-            self.table.reserve(extra, |&j| seen[j as usize].hash);
-        }
+        self.table.reserve(len + n, len + extra, &self.seen);
     }
 
     /// Forget the keys added after the first `len` (undoing a call that failed).
@@ -146,10 +139,7 @@ impl RequestState {
         self.added.clear();
         while self.seen.len() > len {
             let i = self.seen.len() - 1;
-            let hash = self.seen[i].hash;
-            if let Ok(entry) = self.table.find_entry(hash, |&j| j as usize == i) {
-                entry.remove();
-            }
+            self.table.remove_last(self.seen[i].hash, i);
             self.seen.pop();
         }
     }
@@ -157,10 +147,11 @@ impl RequestState {
     /// Add a key the request has not seen; returns its index. Room for it must be reserved.
     pub(crate) fn add(&mut self, key: &[u8], hash: u64, chunk: Option<ChunkId>) -> usize {
         let i = self.seen.len();
+        let at = match self.table.probe(hash, |_| false) {
+            Ok(at) | Err(at) => at,
+        };
+        self.table.put(at, hash, i);
         self.seen.push(SeenKey::new(key, hash, chunk));
-        let seen = &self.seen;
-        self.table
-            .insert_unique(hash, i as u32, |&j| seen[j as usize].hash);
         i
     }
 
@@ -172,22 +163,107 @@ impl RequestState {
         hash: u64,
         chunk: Option<ChunkId>,
     ) -> (usize, bool) {
-        let seen = &self.seen;
-        let entry = self.table.entry(
-            hash,
-            |&j| {
-                let s = &seen[j as usize];
-                s.hash == hash && s.key.as_slice() == key
-            },
-            |&j| seen[j as usize].hash,
-        );
-        match entry {
-            hashbrown::hash_table::Entry::Occupied(o) => (*o.get() as usize, false),
-            hashbrown::hash_table::Entry::Vacant(v) => {
+        match self
+            .table
+            .probe(hash, |j| self.seen[j].key.as_slice() == key)
+        {
+            Ok(j) => (j, false),
+            Err(at) => {
                 let i = self.seen.len();
+                self.table.put(at, hash, i);
                 self.seen.push(SeenKey::new(key, hash, chunk));
-                v.insert(i as u32);
                 (i, true)
+            }
+        }
+    }
+}
+
+/// A request's index of its seen keys by hash: open addressing with linear probing, at most
+/// half full, each entry the high 32 bits of a key's hash (its tag) above its index in `seen`
+/// plus one (0: empty). One probe finds a key or the place to add it, where a general hash
+/// table probes again to insert.
+///
+/// Entries are only ever removed last-added-first ([`RequestState::truncate`]), so a removed
+/// entry is simply cleared: every entry added before it that probed past its place would have
+/// found the place taken by an entry still present.
+#[derive(Debug, Clone, Default)]
+struct SeenIndex {
+    entries: Vec<u64>,
+}
+
+impl SeenIndex {
+    fn tag(hash: u64) -> u64 {
+        hash >> 32
+    }
+
+    fn home(&self, hash: u64) -> usize {
+        hash as usize & (self.entries.len() - 1)
+    }
+
+    /// `Ok(j)`: the entry of the seen key `j` for which `eq(j)` holds, among those with
+    /// `hash`'s tag. `Err(at)`: no such key; `at` is the empty place to add it (`usize::MAX`
+    /// while the index has no room at all).
+    #[inline]
+    fn probe(&self, hash: u64, eq: impl Fn(usize) -> bool) -> Result<usize, usize> {
+        if self.entries.is_empty() {
+            return Err(usize::MAX);
+        }
+        let mask = self.entries.len() - 1;
+        let tag = Self::tag(hash);
+        let mut at = self.home(hash);
+        loop {
+            let e = self.entries[at];
+            if e == 0 {
+                return Err(at);
+            }
+            if e >> 32 == tag {
+                let j = (e as u32 - 1) as usize;
+                if eq(j) {
+                    return Ok(j);
+                }
+            }
+            at = (at + 1) & mask;
+        }
+    }
+
+    /// Put seen key `j` (hashing to `hash`) at `at`, an empty place [`probe`](Self::probe)
+    /// gave for `hash`.
+    #[inline]
+    fn put(&mut self, at: usize, hash: u64, j: usize) {
+        self.entries[at] = (Self::tag(hash) << 32) | (j as u64 + 1);
+    }
+
+    /// Clear the entry of seen key `j`, the last one added.
+    fn remove_last(&mut self, hash: u64, j: usize) {
+        if self.entries.is_empty() {
+            return;
+        }
+        let mask = self.entries.len() - 1;
+        let mut at = self.home(hash);
+        for _ in 0..self.entries.len() {
+            let e = self.entries[at];
+            if e == 0 {
+                return;
+            }
+            if e as u32 as usize == j + 1 {
+                self.entries[at] = 0;
+                return;
+            }
+            at = (at + 1) & mask;
+        }
+    }
+
+    /// Make room for `want` keys in all, growing to fit `grow_to` when it must grow; the keys
+    /// already indexed are `seen`, re-added in order from their kept hashes.
+    fn reserve(&mut self, want: usize, grow_to: usize, seen: &[SeenKey]) {
+        if want * 2 <= self.entries.len() {
+            return;
+        }
+        let size = (grow_to.max(want) * 2).next_power_of_two();
+        self.entries = vec![0; size];
+        for (j, s) in seen.iter().enumerate() {
+            if let Err(at) = self.probe(s.hash, |_| false) {
+                self.put(at, s.hash, j);
             }
         }
     }
