@@ -360,6 +360,51 @@ class _Key(bytes):
     """A bytes subclass, so that identity and type of returned keys can be told apart."""
 
 
+_CONTAINERS = {
+    "list": list,
+    "tuple": tuple,
+    "subclass keys": lambda keys: [_Key(key) for key in keys],
+    "one subclass key last": lambda keys: [*keys[:-1], _Key(keys[-1])],
+    "generator": lambda keys: (key for key in keys),
+}
+
+
+@pytest.mark.parametrize("container", list(_CONTAINERS))
+@pytest.mark.parametrize("n", [1, 127, 128, 200])
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_completions_take_any_container_and_size(
+    make_manager: MakeManager, policy: str, n: int, container: str
+) -> None:
+    # complete_store, touch and complete_load have a path that borrows the caller's keys (exact
+    # bytes in a list or tuple, few enough keys, the lock free) and one that keeps its own
+    # references; both must give the same results and the same errors.
+    wrap = _CONTAINERS[container]
+    m = make_manager(n + 1, cache_policy=policy)
+    ctx = ReqContext(req_id="")
+    keys = ks(*range(n))
+    out = m.prepare_store(keys, ctx)
+    assert out is not None
+    assert out.keys_to_store == keys
+    m.complete_store(wrap(keys), ctx)
+    assert [m.lookup(key, ctx) for key in keys] == [HIT] * n
+    assert chunk_ids(m.prepare_load(keys, ctx)) == list(range(n))
+    m.touch(wrap(keys[::-1]), ctx)
+    before = (m.policy_state(), m.resident())
+    with pytest.raises(KeyStateError):
+        m.complete_load(wrap([*keys, k(n)]), ctx)  # the last key is not loaded: nothing changes
+    assert (m.policy_state(), m.resident()) == before
+    assert all(ref == 1 for _, ref in m.resident().values())
+    m.complete_load(wrap(keys), ctx)
+    assert all(ref == 0 for _, ref in m.resident().values())
+    m.check_invariants()
+    # A failed store through the same container frees its chunks.
+    out = m.prepare_store(ks(n, n + 1), ctx)
+    assert out is not None
+    m.complete_store(wrap(out.keys_to_store), ctx, success=False)
+    assert m.lookup(k(n), ctx) == MISS
+    m.check_invariants()
+
+
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_evicted_keys_are_the_stored_objects(make_manager: MakeManager, policy: str) -> None:
     # vLLM's policy keeps the stored key objects as dict keys and evicts those very objects.

@@ -161,6 +161,42 @@ impl<'py> Keys<'py> {
         Ok(())
     }
 
+    /// Run `f` on the bytes and addresses of `obj`'s keys, borrowed from the caller's list or
+    /// tuple without a reference of our own to any of them: `None` (and `f` not run) unless
+    /// `obj` is a list or tuple of at most `max_keys` exact `bytes` objects. A list is read and `f` runs inside
+    /// the list's critical section, so no other thread can replace an item meanwhile.
+    ///
+    /// `f` must not run Python code or detach from the interpreter: either could free a key
+    /// object (a finalizer or another thread changing the list) while its bytes are lent.
+    pub(crate) fn borrowed<R>(
+        obj: &Bound<'py, PyAny>,
+        max_keys: usize,
+        f: impl FnOnce(&[&[u8]], &[usize]) -> R,
+    ) -> Option<R> {
+        if let Ok(list) = obj.cast::<PyList>() {
+            pyo3::sync::critical_section::with_critical_section(list.as_any(), || {
+                if list.len() > max_keys {
+                    return None;
+                }
+                lend(list.len(), f, |i| {
+                    // SAFETY: `list` is a live list that cannot change meanwhile and `i` is
+                    // below its length.
+                    unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i) }
+                })
+            })
+        } else if let Ok(tuple) = obj.cast::<PyTuple>() {
+            if tuple.len() > max_keys {
+                return None;
+            }
+            lend(tuple.len(), f, |i| {
+                // SAFETY: `tuple` is a live tuple and `i` below its length.
+                unsafe { pyo3::ffi::PyTuple_GetItem(tuple.as_ptr(), i) }
+            })
+        } else {
+            None
+        }
+    }
+
     /// The key bytes, lined up with the objects.
     pub(crate) fn slices(&self) -> &[&[u8]] {
         &self.bytes
@@ -183,6 +219,39 @@ impl Drop for Keys<'_> {
         recycle::give(std::mem::take(&mut self.bytes));
         recycle::give(std::mem::take(&mut self.objs));
     }
+}
+
+/// [`Keys::borrowed`] over `len` items `item(0..len)`, each a borrowed pointer to an object
+/// that stays live and in place while `f` runs (the caller's contract).
+fn lend<R>(
+    len: usize,
+    f: impl FnOnce(&[&[u8]], &[usize]) -> R,
+    item: impl Fn(pyo3::ffi::Py_ssize_t) -> *mut pyo3::ffi::PyObject,
+) -> Option<R> {
+    let bytes_type = std::ptr::addr_of_mut!(pyo3::ffi::PyBytes_Type);
+    let mut addrs: Recycled<usize> = Recycled::with_capacity(len);
+    for i in 0..len {
+        let i = pyo3::ffi::Py_ssize_t::try_from(i).ok()?;
+        let p = item(i);
+        // SAFETY: a non-null item is a live object (the caller's contract): its type is
+        // readable.
+        if p.is_null() || unsafe { pyo3::ffi::Py_TYPE(p) } != bytes_type {
+            return None;
+        }
+        addrs.push(p as usize);
+    }
+    let offset = match addrs.first() {
+        // SAFETY: every item is a live, exact `bytes` (checked above).
+        Some(&p) => unsafe { data_offset(p as *mut pyo3::ffi::PyObject) },
+        None => 0,
+    };
+    let slices: Recycled<&[u8]> = addrs
+        .iter()
+        // SAFETY: a live, exact `bytes` whose buffer starts `offset` bytes in (as every exact
+        // `bytes` object's does), live while `f` runs, which the slices do not outlive.
+        .map(|&p| unsafe { bytes_at(p as *mut pyo3::ffi::PyObject, offset) })
+        .collect();
+    Some(f(&slices, &addrs))
 }
 
 /// The bytes of a `bytes` object (or subclass instance), as a slice not tied to a borrow.

@@ -109,6 +109,17 @@ impl ChunkMemo {
     }
 }
 
+/// Touch `keys` (at `addrs`). Guesses only when the first key has one (a touch of the keys
+/// just loaded), so that a touch of other keys pays one memo read, not one per key.
+fn touch_keys(m: &mut Core, keys: &[&[u8]], addrs: &[usize]) {
+    if addrs.first().is_some_and(|&a| m.memo.has(a)) {
+        let hints = m.memo.hints(addrs);
+        m.touch_hinted(keys, &hints);
+    } else {
+        m.touch(keys);
+    }
+}
+
 /// The addresses of key objects, for a [`ChunkMemo`] (the closures that may run detached
 /// from the interpreter take these, not the objects).
 fn addresses(objs: &[Bound<'_, PyBytes>]) -> Recycled<usize> {
@@ -374,6 +385,32 @@ impl ManagerCore {
         let raised = m.finish();
         self.busy.store(0, Ordering::Release);
         Ok((out, raised))
+    }
+
+    /// `f` run on the manager and the keys borrowed from the caller's list or tuple, when
+    /// that is safe and the lock is free: a built-in policy, exact `bytes` keys, at most
+    /// `max_keys` of them (a caller that detaches for long calls passes fewer than
+    /// [`DETACH_MIN_KEYS`]), and no other thread holding the lock (a call that would wait).
+    /// Otherwise `None`, and nothing ran.
+    ///
+    /// Taking no reference to each key object saves two calls into the interpreter a key.
+    /// `f` runs with no Python code running and without detaching, so no key object can go
+    /// away meanwhile; anything it returns that holds Python objects is dropped by the caller,
+    /// after the keys are no longer borrowed.
+    fn borrowing<R>(
+        &self,
+        keys: &Bound<'_, PyAny>,
+        max_keys: usize,
+        f: impl FnOnce(&mut Core, &[&[u8]], &[usize]) -> R,
+    ) -> Option<R> {
+        if self.python_policy {
+            return None;
+        }
+        Keys::borrowed(keys, max_keys, |slices, addrs| {
+            let mut m = uncontended(&self.inner)?;
+            Some(f(&mut m, slices, addrs))
+        })
+        .flatten()
     }
 
     /// The context's current state for this manager, or a fresh one to install on success.
@@ -768,6 +805,14 @@ impl ManagerCore {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
+        // Never detached (a release is quick), whatever the number of keys.
+        let quick = self.borrowing(keys, usize::MAX, |m, slices, addrs| {
+            let hints = m.memo.hints(addrs);
+            m.complete_load_hinted(slices, &hints)
+        });
+        if let Some(done) = quick {
+            return done.map_err(|e| to_py(py, e));
+        }
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
         let addrs = addresses(keys.objs());
@@ -800,18 +845,17 @@ impl ManagerCore {
         keys: &Bound<'_, PyAny>,
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        if self
+            .borrowing(keys, DETACH_MIN_KEYS - 1, touch_keys)
+            .is_some()
+        {
+            return Ok(());
+        }
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
         let addrs = addresses(keys.objs());
         let ((), raised) = self.policy_call(py, req_context, keys.objs(), None, |m, _| {
-            // Guesses only when the first key has one (a touch of the keys just loaded), so
-            // that a touch of other keys pays one memo read, not one per key.
-            if addrs.first().is_some_and(|&a| m.memo.has(a)) {
-                let hints = m.memo.hints(&addrs);
-                m.touch_hinted(slices, &hints);
-            } else {
-                m.touch(slices);
-            }
+            touch_keys(m, slices, &addrs);
         })?;
         settle(py, Ok(()), raised)
     }
@@ -924,6 +968,15 @@ impl ManagerCore {
     ) -> PyResult<()> {
         let _ = req_context;
         let Truthy(success) = success;
+        let quick = self.borrowing(keys, DETACH_MIN_KEYS - 1, |m, slices, addrs| {
+            let hints = m.memo.hints(addrs);
+            let freed = m.complete_store_hinted(slices, &hints, success);
+            m.take_keys(&freed)
+        });
+        if let Some(dropped) = quick {
+            drop(dropped);
+            return Ok(());
+        }
         let keys = Keys::extract(keys)?;
         let slices = keys.slices();
         let addrs = addresses(keys.objs());
