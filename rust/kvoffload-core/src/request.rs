@@ -116,6 +116,7 @@ impl RequestState {
         self.find(key, crate::key::hash_key(key))
     }
 
+    #[inline]
     pub(crate) fn find(&self, key: &[u8], hash: u64) -> Option<usize> {
         self.table
             .probe(hash, |j| self.seen[j].key.as_slice() == key)
@@ -145,6 +146,10 @@ impl RequestState {
     }
 
     /// Add a key the request has not seen; returns its index. Room for it must be reserved.
+    // Inlined into the manager's recording loop (out of line, it measured 5-10% more
+    // instructions a recorded key under callgrind).
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     pub(crate) fn add(&mut self, key: &[u8], hash: u64, chunk: Option<ChunkId>) -> usize {
         let i = self.seen.len();
         let at = match self.table.probe(hash, |_| false) {
@@ -157,6 +162,9 @@ impl RequestState {
 
     /// The index of `key` among the seen keys, adding it first if the request has not seen
     /// it (`true`: added): one probe of the index either way. Room for it must be reserved.
+    // As `add`.
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     pub(crate) fn find_or_add(
         &mut self,
         key: &[u8],

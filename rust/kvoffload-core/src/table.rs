@@ -1069,6 +1069,16 @@ impl Slots {
         Ok(())
     }
 
+    /// Give readable slot `c` exactly `pins` pins, bypassing every check (tests of the pin
+    /// limit, which no test could reach by pinning).
+    #[cfg(test)]
+    pub(crate) fn force_pins(&mut self, c: ChunkId, pins: u32) {
+        let slot = &self.table.slots[c as usize];
+        let w = slot.state.load(Ordering::Acquire);
+        slot.state
+            .store(word(seq_of(w), READY + pins), Ordering::Release);
+    }
+
     /// One more pin of readable slot `c` (checked by [`check_pin`](Self::check_pin)). `true`
     /// when the slot stops being evictable (a slot with a release waiting was not evictable).
     pub fn pin(&mut self, c: ChunkId) -> bool {
