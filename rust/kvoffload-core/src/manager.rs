@@ -158,7 +158,8 @@ pub struct StoreOutcome {
     pub to_store: Vec<usize>,
     /// Their chunks, lined up with `to_store`.
     pub chunks: Vec<ChunkId>,
-    /// Keys evicted to make room, in eviction order.
+    /// Keys evicted to make room, in eviction order; empty when the manager was told not to
+    /// copy them ([`Manager::set_evicted_keys`]) and events are off.
     pub evicted: Vec<KeyBuf>,
     /// The chunks they held, lined up with `evicted` (now free, or reused by `chunks`).
     pub evicted_chunks: Vec<ChunkId>,
@@ -207,8 +208,8 @@ pub struct Manager {
     events: Option<Vec<Event>>,
     allocation_sizes: Vec<u64>,
     stores_skipped: u64,
-    /// One bit per chunk, all clear between calls: the scratch of
-    /// [`any_repeated`](Self::any_repeated) and of [`make_room`](Self::make_room) (the chunks its
+    /// One bit per chunk, all clear between calls: the scratch of `prepare_load` (the chunks
+    /// named twice) and of [`make_room`](Self::make_room) (the chunks its
     /// eviction must spare); a pool of 10^5 chunks takes 12.5 KiB, which stays in the nearest
     /// caches.
     marks: Vec<u64>,
@@ -220,6 +221,8 @@ pub struct Manager {
     external: bool,
     /// Start times of the pending writes, oldest first.
     liveness: PendingWrites,
+    /// [`StoreOutcome::evicted`] carries the evicted keys ([`set_evicted_keys`](Self::set_evicted_keys)).
+    evicted_keys: bool,
 }
 
 impl Manager {
@@ -273,7 +276,16 @@ impl Manager {
             exclusive_pins: false,
             external,
             liveness: PendingWrites::new(),
+            evicted_keys: true,
         })
+    }
+
+    /// Whether [`StoreOutcome::evicted`] carries the keys evicted (on for a new manager). A
+    /// caller that keeps its own copy of every stored key, by chunk (the Python binding keeps
+    /// the key objects), turns it off: an eviction then copies no key, unless events are on
+    /// (they carry the keys).
+    pub fn set_evicted_keys(&mut self, on: bool) {
+        self.evicted_keys = on;
     }
 
     /// The policy (a binding reaches its external policy through [`CachePolicy::as_any_mut`]).
@@ -1150,7 +1162,8 @@ impl Manager {
 
     /// Drop chosen victims, free their chunks (in order) and queue one removal event.
     fn evict_chunks(&mut self, victims: &[ChunkId]) -> Vec<KeyBuf> {
-        let mut evicted = recycle::take(victims.len());
+        let keep = self.evicted_keys || self.events.is_some();
+        let mut evicted = recycle::take(if keep { victims.len() } else { 0 });
         // The victims' keys, then their index buckets: the misses overlap.
         for &c in victims {
             self.slots.prefetch(c);
@@ -1159,7 +1172,11 @@ impl Manager {
             self.slots.prefetch_bucket(self.slots.hash(c));
         }
         for &c in victims {
-            evicted.push(self.slots.remove(c));
+            if keep {
+                evicted.push(self.slots.remove(c));
+            } else {
+                self.slots.discard(c);
+            }
             self.pool.free(c);
             if self.external {
                 self.policy.forget(c);
@@ -1673,6 +1690,51 @@ mod tests {
             m.validate().unwrap();
             m.complete_load(&batch).unwrap();
             m.validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn evictions_copy_keys_only_when_asked_or_for_events() {
+        for (asked, events) in [(true, false), (false, false), (false, true)] {
+            let mut m = Manager::new(&ManagerConfig {
+                num_chunks: 2,
+                policy: PolicyKind::Lru,
+                enable_events: events,
+                store_threshold: 1,
+                max_tracker_size: 8,
+                admission: Admission::default(),
+            })
+            .unwrap();
+            m.set_evicted_keys(asked);
+            let long = [7u8; crate::table::INLINE_KEY + 5]; // kept apart from its slot: removed too
+            let keys: [&[u8]; 4] = [b"a", &long, b"c", b"d"];
+            let mut req = m.new_request_state();
+            m.prepare_store(&keys[..2], None, &mut req)
+                .unwrap()
+                .unwrap();
+            m.complete_store(&keys[..2], true);
+            let out = m
+                .prepare_store(&keys[2..], None, &mut req)
+                .unwrap()
+                .unwrap();
+            assert_eq!(out.evicted_chunks, vec![0, 1]);
+            let want: Vec<KeyBuf> = if asked || events {
+                vec![KeyBuf::from_slice(b"a"), KeyBuf::from_slice(&long)]
+            } else {
+                Vec::new()
+            };
+            assert_eq!(out.evicted, want);
+            assert!(!m.is_resident(&long) && m.is_resident(b"c"));
+            m.validate().unwrap();
+            if events {
+                let removed: Vec<Vec<KeyBuf>> = m
+                    .take_events()
+                    .into_iter()
+                    .filter(|e| e.removed)
+                    .map(|e| e.keys)
+                    .collect();
+                assert_eq!(removed, vec![want]);
+            }
         }
     }
 

@@ -922,6 +922,12 @@ impl Slots {
     /// Make pending or evictable slot `c` absent; returns its key.
     pub fn remove(&mut self, c: ChunkId) -> KeyBuf {
         let key = self.key(c);
+        self.discard(c);
+        key
+    }
+
+    /// [`remove`](Self::remove) without a copy of the key.
+    pub fn discard(&mut self, c: ChunkId) {
         let t = &*self.table;
         let slot = &t.slots[c as usize];
         let w = slot.state.load(Ordering::Acquire);
@@ -957,11 +963,10 @@ impl Slots {
                 link = &t.slots[l as usize - 1].next;
             }
         }
-        if key.len() > INLINE_KEY {
+        if slot.len.load(Ordering::Relaxed) as usize > INLINE_KEY {
             self.long.remove(&c);
         }
         self.len -= 1;
-        key
     }
 
     /// Make every slot absent (releases still queued are dropped when drained).

@@ -696,6 +696,9 @@ impl ManagerCore {
         // turn it off for their duration (`policy_call`).
         let exclusive_pins = gil_enabled(py)? && !python_policy;
         inner.set_exclusive(exclusive_pins);
+        // Evicted keys are answered with the stored objects (`Core::keys`): the core need not
+        // copy them.
+        inner.set_evicted_keys(false);
         let table = inner.shared_table();
         Ok(Self {
             table,
@@ -928,19 +931,32 @@ impl ManagerCore {
         state.get().keep_objects(mark, &added, keys.objs());
         let Some(out) = outcome else { return Ok(None) };
         let to_store = PyList::new(py, out.to_store.iter().map(|&i| &keys.objs()[i]))?;
-        // The stored objects of the victims; a fresh `bytes` only if one is missing.
-        // The objects move into the list (no reference count traffic).
+        // The stored objects of the victims, moved into the list (no reference count
+        // traffic). Every resident chunk has its object; were one missing, the core's copy of
+        // the key (kept when events are on) stands in, or the call reports the broken
+        // invariant.
         let mut evicted_objs = evicted_objs;
+        let n_evicted = out.evicted_chunks.len();
+        let mut missing = None;
         let evicted = PyList::new(
             py,
-            out.evicted
-                .iter()
-                .zip(evicted_objs.drain(..))
-                .map(|(k, obj)| match obj {
-                    Some(obj) => obj.into_bound(py),
-                    None => PyBytes::new(py, k),
-                }),
+            evicted_objs.drain(..n_evicted).enumerate().map(|(i, obj)| {
+                match (obj, out.evicted.get(i)) {
+                    (Some(obj), _) => obj.into_bound(py),
+                    (None, Some(k)) => PyBytes::new(py, k),
+                    (None, None) => {
+                        missing = Some(out.evicted_chunks[i]);
+                        PyBytes::new(py, b"")
+                    }
+                }
+            }),
         )?;
+        if let Some(c) = missing {
+            return Err(to_py(
+                py,
+                core::CoreError::Invariant(format!("evicted chunk {c} had no stored key object")),
+            ));
+        }
         let types = self.types(py)?;
         let output = types.prepare_store_output.build(
             py,
