@@ -466,6 +466,7 @@ impl<K: OrderKey> SharedOrder<K> {
             groups: self.run_groups.iter(),
             run: NIL,
             more_runs: !self.run_groups.is_empty(),
+            list_only: self.tree.is_empty() && self.run_groups.is_empty(),
             held,
         }
     }
@@ -708,12 +709,20 @@ pub(crate) struct Iter<'a, K> {
     run: u32,
     /// Whether `groups` may have more.
     more_runs: bool,
+    /// The tree and the runs are empty: the list alone is the order.
+    list_only: bool,
     held: &'a mut Vec<ChunkId>,
 }
 
 impl<K: OrderKey> Iter<'_, K> {
     /// The next entry of the merge, held or not.
     fn next_entry(&mut self) -> Option<(K, ChunkId)> {
+        if self.list_only {
+            let c = self.list;
+            let node = self.nodes.get(c as usize)?;
+            self.list = node.next;
+            return Some((node.key, c));
+        }
         let o = self.order;
         if self.run == NIL && self.more_runs {
             match self.groups.next() {
