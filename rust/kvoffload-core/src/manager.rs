@@ -568,6 +568,25 @@ impl Manager {
     /// [`pinning`](Self::pinning).
     fn complete_load_pinning(&mut self, keys: &[&[u8]], hints: &[Option<ChunkId>]) -> Result<()> {
         self.apply_releases();
+        // The usual call: every key at its guess, pinned. One pass checks them; any other call
+        // takes the general way below, which finds the same chunks for these keys.
+        if hints.len() == keys.len() {
+            let mut chunks: Scratch<ChunkId> = SmallVec::with_capacity(keys.len());
+            for (k, &h) in keys.iter().zip(hints) {
+                match h {
+                    Some(c)
+                        if self.slots.holds_at(c, k)
+                            && matches!(self.slots.state(c), ChunkState::Ready(n) if n > 0) =>
+                    {
+                        chunks.push(c);
+                    }
+                    _ => break,
+                }
+            }
+            if chunks.len() == keys.len() {
+                return self.unpin_loaded(keys, &chunks);
+            }
+        }
         let found = self.resolve_hinted(keys, hints);
         let mut chunks: Scratch<ChunkId> = SmallVec::with_capacity(keys.len());
         for (k, &c) in keys.iter().zip(&found) {
@@ -581,10 +600,15 @@ impl Manager {
             };
             chunks.push(c);
         }
-        // All or none (a lock-free release on another thread may have taken a pin meanwhile):
-        // a chunk listed more times than it has pins fails it too, and is then named.
-        let zero = self.slots.unpin_all(&chunks).map_err(|i| {
-            for (c, times) in multiplicities(&chunks) {
+        self.unpin_loaded(keys, &chunks)
+    }
+
+    /// Drop one pin of each of `chunks` (those of `keys`, pinned), all or none: a lock-free
+    /// release on another thread may have taken a pin meanwhile, and a chunk listed more times
+    /// than it has pins fails the call too, and is then named.
+    fn unpin_loaded(&mut self, keys: &[&[u8]], chunks: &[ChunkId]) -> Result<()> {
+        let zero = self.slots.unpin_all(chunks).map_err(|i| {
+            for (c, times) in multiplicities(chunks) {
                 if let ChunkState::Ready(n) = self.slots.state(c) {
                     if times > n {
                         return CoreError::KeyState(format!(
