@@ -1675,10 +1675,15 @@ mod tests {
 
     /// A manager of `num_chunks` chunks under `policy`: events off, no admission threshold.
     fn manager(num_chunks: u32, policy: PolicyKind) -> Manager {
+        manager_with_events(num_chunks, policy, false)
+    }
+
+    /// [`manager`], events on when `events`.
+    fn manager_with_events(num_chunks: u32, policy: PolicyKind, events: bool) -> Manager {
         Manager::new(&ManagerConfig {
             num_chunks,
             policy,
-            enable_events: false,
+            enable_events: events,
             store_threshold: 1,
             max_tracker_size: 8,
             admission: Admission::default(),
@@ -1720,15 +1725,7 @@ mod tests {
     #[test]
     fn evictions_copy_keys_only_when_asked_or_for_events() {
         for (asked, events) in [(true, false), (false, false), (false, true)] {
-            let mut m = Manager::new(&ManagerConfig {
-                num_chunks: 2,
-                policy: PolicyKind::Lru,
-                enable_events: events,
-                store_threshold: 1,
-                max_tracker_size: 8,
-                admission: Admission::default(),
-            })
-            .unwrap();
+            let mut m = manager_with_events(2, PolicyKind::Lru, events);
             m.set_evicted_keys(asked);
             let long = [7u8; crate::table::INLINE_KEY + 5]; // kept apart from its slot: removed too
             let keys: [&[u8]; 4] = [b"a", &long, b"c", b"d"];

@@ -1074,8 +1074,8 @@ impl Slots {
         Ok(())
     }
 
-    /// Give readable slot `c` exactly `pins` pins, bypassing every check (tests of the pin
-    /// limit, which no test could reach by pinning).
+    /// Give pinned slot `c` exactly `pins` pins (at least one), bypassing every check: tests
+    /// of the pin limit, which no test could reach by pinning.
     #[cfg(test)]
     pub(crate) fn force_pins(&mut self, c: ChunkId, pins: u32) {
         let slot = &self.table.slots[c as usize];

@@ -163,8 +163,9 @@ impl<'py> Keys<'py> {
 
     /// Run `f` on the bytes and addresses of `obj`'s keys, borrowed from the caller's list or
     /// tuple without a reference of our own to any of them: `None` (and `f` not run) unless
-    /// `obj` is a list or tuple of at most `max_keys` exact `bytes` objects. A list is read and `f` runs inside
-    /// the list's critical section, so no other thread can replace an item meanwhile.
+    /// `obj` is a list or tuple of at most `max_keys` exact `bytes` objects. A list is read,
+    /// and `f` runs, inside the list's critical section, so no other thread can replace an
+    /// item meanwhile.
     ///
     /// `f` must not run Python code or detach from the interpreter: either could free a key
     /// object (a finalizer or another thread changing the list) while its bytes are lent.

@@ -109,6 +109,25 @@ impl ChunkMemo {
     }
 }
 
+/// Complete the loads of `keys` (at `addrs`), with the memo's guesses of their chunks.
+fn complete_loads(m: &mut Core, keys: &[&[u8]], addrs: &[usize]) -> core::Result<()> {
+    let hints = m.memo.hints(addrs);
+    m.complete_load_hinted(keys, &hints)
+}
+
+/// Complete the stores of `keys` (at `addrs`), with the memo's guesses of their chunks; the
+/// key objects of the chunks a failed store freed, for the caller to drop after the lock.
+fn complete_stores(
+    m: &mut Core,
+    keys: &[&[u8]],
+    addrs: &[usize],
+    success: bool,
+) -> Recycled<Option<Py<PyBytes>>> {
+    let hints = m.memo.hints(addrs);
+    let freed = m.complete_store_hinted(keys, &hints, success);
+    m.take_keys(&freed)
+}
+
 /// Touch `keys` (at `addrs`). Guesses only when the first key has one (a touch of the keys
 /// just loaded), so that a touch of other keys pays one memo read, not one per key.
 fn touch_keys(m: &mut Core, keys: &[&[u8]], addrs: &[usize]) {
@@ -809,11 +828,7 @@ impl ManagerCore {
     ) -> PyResult<()> {
         let _ = req_context;
         // Never detached (a release is quick), whatever the number of keys.
-        let quick = self.borrowing(keys, usize::MAX, |m, slices, addrs| {
-            let hints = m.memo.hints(addrs);
-            m.complete_load_hinted(slices, &hints)
-        });
-        if let Some(done) = quick {
+        if let Some(done) = self.borrowing(keys, usize::MAX, complete_loads) {
             return done.map_err(|e| to_py(py, e));
         }
         let keys = Keys::extract(keys)?;
@@ -824,18 +839,14 @@ impl ManagerCore {
         // manager releases under the lock.
         if !self.python_policy {
             if let Some(mut m) = uncontended(&self.inner) {
-                let hints = m.memo.hints(&addrs);
-                return m
-                    .complete_load_hinted(slices, &hints)
-                    .map_err(|e| to_py(py, e));
+                return complete_loads(&mut m, slices, &addrs).map_err(|e| to_py(py, e));
             }
             if self.table.release(slices) == core::Release::Done {
                 return Ok(());
             }
         }
         let (done, raised) = self.policy_call(py, None, keys.objs(), None, |m, _| {
-            let hints = m.memo.hints(&addrs);
-            m.complete_load_hinted(slices, &hints)
+            complete_loads(m, slices, &addrs)
         })?;
         settle(py, done, raised)
     }
@@ -985,9 +996,7 @@ impl ManagerCore {
         let _ = req_context;
         let Truthy(success) = success;
         let quick = self.borrowing(keys, DETACH_MIN_KEYS - 1, |m, slices, addrs| {
-            let hints = m.memo.hints(addrs);
-            let freed = m.complete_store_hinted(slices, &hints, success);
-            m.take_keys(&freed)
+            complete_stores(m, slices, addrs, success)
         });
         if let Some(dropped) = quick {
             drop(dropped);
@@ -997,9 +1006,7 @@ impl ManagerCore {
         let slices = keys.slices();
         let addrs = addresses(keys.objs());
         let (dropped, raised) = self.policy_call(py, None, keys.objs(), None, |m, _| {
-            let hints = m.memo.hints(&addrs);
-            let freed = m.complete_store_hinted(slices, &hints, success);
-            m.take_keys(&freed)
+            complete_stores(m, slices, &addrs, success)
         })?;
         drop(dropped);
         settle(py, Ok(()), raised)
