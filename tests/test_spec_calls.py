@@ -637,8 +637,9 @@ def test_completions_by_prepared_objects_copies_or_stale_ones(
     make_manager: MakeManager, policy: str
 ) -> None:
     # The Rust manager remembers which chunk each object it just stored or loaded went to and
-    # checks that guess against the chunk's key: the same objects, equal copies, and objects
-    # whose chunk has since gone to another key must all complete exactly as vLLM's would.
+    # checks that guess against the chunk's key, or, when the chunk keeps that very object,
+    # takes it as is: the same objects, equal copies, and objects whose chunk has since gone
+    # to another key must all complete (and touch) exactly as vLLM's would.
     m = make_manager(2, cache_policy=policy)
     ctx = ReqContext(req_id="")
     first = ks(1, 2)
@@ -653,8 +654,16 @@ def test_completions_by_prepared_objects_copies_or_stale_ones(
     assert [m.lookup(key, ctx) for key in ks(3, 4)] == [HIT, HIT]
     loaded = ks(3, 4)
     m.prepare_load(loaded, ctx)
+    state = m.policy_state()
+    resident = {name: state[name] for name in ("ranks", "t1", "t2") if name in state}
     with pytest.raises(KeyStateError):
         m.complete_load(first, ctx)  # stale objects: not being loaded, nothing released
+    # Nor do they touch the keys now at their chunks. (ARC's touch of an evicted key adapts its
+    # target and ghosts, as vLLM's does; the resident keys' order must not change.)
+    m.touch(first, ctx)
+    state = m.policy_state()
+    assert {name: state[name] for name in ("ranks", "t1", "t2") if name in state} == resident
+    assert all(ref == 1 for _, ref in m.resident().values())
     m.complete_load([bytes(bytearray(key)) for key in loaded], ctx)
     with pytest.raises(KeyStateError):
         m.complete_load(loaded, ctx)  # every pin already released

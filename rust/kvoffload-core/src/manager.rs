@@ -417,6 +417,23 @@ impl Manager {
         found
     }
 
+    /// Each key's chunk from vouched guesses (see
+    /// [`complete_load_vouched`](Self::complete_load_vouched)), when there is one per key and
+    /// every guessed slot holds a key (so the key it vouches for); else `None`.
+    fn vouched_chunks(
+        &self,
+        keys: &[&[u8]],
+        hints: &[Option<ChunkId>],
+    ) -> Option<Scratch<Option<ChunkId>>> {
+        if hints.len() != keys.len() {
+            return None;
+        }
+        hints
+            .iter()
+            .map(|&h| h.filter(|&c| self.slots.resident(c)).map(Some))
+            .collect()
+    }
+
     fn chunk_of(&self, key: &[u8]) -> Option<ChunkId> {
         self.find(key, hash_key(key))
     }
@@ -561,12 +578,30 @@ impl Manager {
         keys: &[&[u8]],
         hints: &[Option<ChunkId>],
     ) -> Result<()> {
-        self.pinning(|m| m.complete_load_pinning(keys, hints))
+        self.pinning(|m| m.complete_load_pinning(keys, hints, false))
     }
 
-    /// [`complete_load_hinted`](Self::complete_load_hinted), inside
+    /// [`complete_load_hinted`](Self::complete_load_hinted) with guesses the caller vouches
+    /// for: whenever slot `hints[i]` holds a key, that key is `keys[i]` (the caller knows the
+    /// key it last put there, say). A guessed slot's key is then not compared. A wrong vouch
+    /// can make the call act on the wrong chunk: only a caller that knows must use this.
+    pub fn complete_load_vouched(
+        &mut self,
+        keys: &[&[u8]],
+        hints: &[Option<ChunkId>],
+    ) -> Result<()> {
+        self.pinning(|m| m.complete_load_pinning(keys, hints, true))
+    }
+
+    /// [`complete_load_hinted`](Self::complete_load_hinted) (or, `vouched`,
+    /// [`complete_load_vouched`](Self::complete_load_vouched)), inside
     /// [`pinning`](Self::pinning).
-    fn complete_load_pinning(&mut self, keys: &[&[u8]], hints: &[Option<ChunkId>]) -> Result<()> {
+    fn complete_load_pinning(
+        &mut self,
+        keys: &[&[u8]],
+        hints: &[Option<ChunkId>],
+        vouched: bool,
+    ) -> Result<()> {
         self.apply_releases();
         // The usual call: every key at its guess, pinned. One pass checks them; any other call
         // takes the general way below, which finds the same chunks for these keys.
@@ -574,9 +609,10 @@ impl Manager {
             let mut chunks: Scratch<ChunkId> = SmallVec::with_capacity(keys.len());
             for (k, &h) in keys.iter().zip(hints) {
                 match h {
+                    // A pinned slot holds a key: under a vouch, this one.
                     Some(c)
-                        if self.slots.holds_at(c, k)
-                            && matches!(self.slots.state(c), ChunkState::Ready(n) if n > 0) =>
+                        if matches!(self.slots.state(c), ChunkState::Ready(n) if n > 0)
+                            && (vouched || self.slots.holds_at(c, k)) =>
                     {
                         chunks.push(c);
                     }
@@ -641,10 +677,23 @@ impl Manager {
     /// empty: none), as [`complete_load_hinted`](Self::complete_load_hinted) takes them: a key
     /// found at its guess is neither hashed nor looked up (its hash is the slot's).
     pub fn touch_hinted(&mut self, keys: &[&[u8]], hints: &[Option<ChunkId>]) {
+        self.touch_with(keys, hints, false);
+    }
+
+    /// [`touch_hinted`](Self::touch_hinted) with guesses the caller vouches for, as
+    /// [`complete_load_vouched`](Self::complete_load_vouched) takes them.
+    pub fn touch_vouched(&mut self, keys: &[&[u8]], hints: &[Option<ChunkId>]) {
+        self.touch_with(keys, hints, true);
+    }
+
+    fn touch_with(&mut self, keys: &[&[u8]], hints: &[Option<ChunkId>], vouched: bool) {
         self.apply_releases();
         let hashes: Scratch<u64>;
         let found = if hints.len() == keys.len() {
-            let found = self.resolve_hinted(keys, hints);
+            let found = match vouched.then(|| self.vouched_chunks(keys, hints)).flatten() {
+                Some(found) => found,
+                None => self.resolve_hinted(keys, hints),
+            };
             hashes = keys
                 .iter()
                 .zip(&found)
@@ -799,11 +848,37 @@ impl Manager {
         hints: &[Option<ChunkId>],
         success: bool,
     ) -> Vec<ChunkId> {
+        self.complete_store_with(keys, hints, false, success)
+    }
+
+    /// [`complete_store_hinted`](Self::complete_store_hinted) with guesses the caller vouches
+    /// for, as [`complete_load_vouched`](Self::complete_load_vouched) takes them.
+    pub fn complete_store_vouched(
+        &mut self,
+        keys: &[&[u8]],
+        hints: &[Option<ChunkId>],
+        success: bool,
+    ) -> Vec<ChunkId> {
+        self.complete_store_with(keys, hints, true, success)
+    }
+
+    fn complete_store_with(
+        &mut self,
+        keys: &[&[u8]],
+        hints: &[Option<ChunkId>],
+        vouched: bool,
+        success: bool,
+    ) -> Vec<ChunkId> {
         self.apply_releases();
         let mut freed = Vec::new();
         let mut done: Vec<KeyBuf> = Vec::new();
         let keep = self.events.is_some();
-        let found = self.resolve_hinted(keys, hints);
+        // Vouched guesses whose slots all hold a key name each key's chunk; any other call
+        // looks the keys up (guesses checked).
+        let found = match vouched.then(|| self.vouched_chunks(keys, hints)).flatten() {
+            Some(found) => found,
+            None => self.resolve_hinted(keys, hints),
+        };
         for (k, &c) in keys.iter().zip(&found) {
             let Some(c) = c else { continue };
             if self.slots.state(c) != ChunkState::Pending {

@@ -97,22 +97,22 @@ impl ChunkMemo {
         self.entries[Self::index(addr)].0 == Self::tag(addr)
     }
 
-    /// The guessed chunk of each object, by address.
-    fn hints(&self, addrs: &[usize]) -> Recycled<Option<core::ChunkId>> {
-        addrs
-            .iter()
-            .map(|&addr| {
-                let (t, c) = self.entries[Self::index(addr)];
-                (t == Self::tag(addr)).then_some(c)
-            })
-            .collect()
+    /// The guessed chunk of the object at `addr`.
+    #[inline]
+    fn get(&self, addr: usize) -> Option<core::ChunkId> {
+        let (t, c) = self.entries[Self::index(addr)];
+        (t == Self::tag(addr)).then_some(c)
     }
 }
 
 /// Complete the loads of `keys` (at `addrs`), with the memo's guesses of their chunks.
 fn complete_loads(m: &mut Core, keys: &[&[u8]], addrs: &[usize]) -> core::Result<()> {
-    let hints = m.memo.hints(addrs);
-    m.complete_load_hinted(keys, &hints)
+    let (hints, vouched) = m.guesses(addrs);
+    if vouched {
+        m.complete_load_vouched(keys, &hints)
+    } else {
+        m.complete_load_hinted(keys, &hints)
+    }
 }
 
 /// Complete the stores of `keys` (at `addrs`), with the memo's guesses of their chunks; the
@@ -123,8 +123,12 @@ fn complete_stores(
     addrs: &[usize],
     success: bool,
 ) -> Recycled<Option<Py<PyBytes>>> {
-    let hints = m.memo.hints(addrs);
-    let freed = m.complete_store_hinted(keys, &hints, success);
+    let (hints, vouched) = m.guesses(addrs);
+    let freed = if vouched {
+        m.complete_store_vouched(keys, &hints, success)
+    } else {
+        m.complete_store_hinted(keys, &hints, success)
+    };
     m.take_keys(&freed)
 }
 
@@ -132,8 +136,12 @@ fn complete_stores(
 /// just loaded), so that a touch of other keys pays one memo read, not one per key.
 fn touch_keys(m: &mut Core, keys: &[&[u8]], addrs: &[usize]) {
     if addrs.first().is_some_and(|&a| m.memo.has(a)) {
-        let hints = m.memo.hints(addrs);
-        m.touch_hinted(keys, &hints);
+        let (hints, vouched) = m.guesses(addrs);
+        if vouched {
+            m.touch_vouched(keys, &hints);
+        } else {
+            m.touch_hinted(keys, &hints);
+        }
     } else {
         m.touch(keys);
     }
@@ -147,6 +155,26 @@ fn addresses(objs: &[Bound<'_, PyBytes>]) -> Recycled<usize> {
 
 impl Core {
     /// Forget the key objects of `chunks`; the caller drops them once the lock is released.
+    /// The memo's guess of the chunk of each object at `addrs`, and whether the guesses can
+    /// be vouched for: each guessed chunk keeps that very object. The object is then alive and
+    /// the chunk's, so whenever the chunk holds a key, the key is the object's bytes (the rule
+    /// `check_invariants` checks), and the core need not compare them.
+    fn guesses(&self, addrs: &[usize]) -> (Recycled<Option<core::ChunkId>>, bool) {
+        let mut vouched = true;
+        let hints = addrs
+            .iter()
+            .map(|&addr| {
+                let hint = self.memo.get(addr);
+                vouched &= hint
+                    .and_then(|c| self.keys.get(c as usize))
+                    .and_then(Option::as_ref)
+                    .is_some_and(|obj| obj.as_ptr() as usize == addr);
+                hint
+            })
+            .collect();
+        (hints, vouched)
+    }
+
     fn take_keys(&mut self, chunks: &[core::ChunkId]) -> Recycled<Option<Py<PyBytes>>> {
         self.take_keys_leaving_room(chunks, 0)
     }

@@ -113,6 +113,19 @@ pub(crate) struct Harness {
     step: usize,
 }
 
+/// Each key's chunk, if resident.
+fn chunks_of(mgr: &Manager, keys: &[Key]) -> Vec<Option<u32>> {
+    let resident = mgr.resident();
+    keys.iter()
+        .map(|k| {
+            resident
+                .iter()
+                .find(|(r, _, _)| r.as_slice() == k.as_slice())
+                .map(|&(_, c, _)| c)
+        })
+        .collect()
+}
+
 /// Guesses of the keys' chunks for the hinted calls, varied by `salt`: none at all, or per
 /// key none, the right chunk, another chunk, or an id past every chunk. The results must not
 /// depend on them.
@@ -120,22 +133,41 @@ fn hints(mgr: &Manager, keys: &[Key], salt: usize) -> Vec<Option<u32>> {
     if salt % 5 == 0 {
         return Vec::new();
     }
-    let resident = mgr.resident();
-    let chunk_of = |k: &Key| {
-        resident
-            .iter()
-            .find(|(r, _, _)| r.as_slice() == k.as_slice())
-            .map(|&(_, c, _)| c)
-    };
-    keys.iter()
+    chunks_of(mgr, keys)
+        .into_iter()
         .enumerate()
-        .map(|(i, k)| match (i + salt) % 4 {
+        .map(|(i, c)| match (i + salt) % 4 {
             0 => None,
-            1 => chunk_of(k),
-            2 => Some(chunk_of(k).map_or(0, |c| c + 1)),
+            1 => c,
+            2 => Some(c.map_or(0, |c| c + 1)),
             _ => Some(u32::MAX - 1),
         })
         .collect()
+}
+
+/// Guesses a caller may vouch for (the `*_vouched` calls), varied by `salt`: per key its
+/// chunk, none, or a chunk that holds no key (a free one, or an id past every chunk). Never a
+/// chunk that holds another key.
+fn vouched_hints(mgr: &Manager, keys: &[Key], salt: usize) -> Vec<Option<u32>> {
+    let taken: Vec<u32> = mgr.resident().iter().map(|&(_, c, _)| c).collect();
+    let free = (0..u32::MAX - 1)
+        .find(|c| !taken.contains(c))
+        .unwrap_or(u32::MAX - 1);
+    chunks_of(mgr, keys)
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| match ((i + salt) % 6, c) {
+            (0..=2, Some(c)) => Some(c),
+            (3, _) => None,
+            (4, _) => Some(free),
+            _ => Some(u32::MAX - 1),
+        })
+        .collect()
+}
+
+/// Whether a hinted call vouches for its guesses (one call in three).
+fn vouches(salt: usize) -> bool {
+    salt % 3 == 1
 }
 
 fn refs(keys: &[Key]) -> Vec<&[u8]> {
@@ -439,15 +471,48 @@ impl Harness {
     /// `complete_store` of some of the stores in flight, on both sides, with chunk guesses.
     fn complete_store(&mut self, whole_job: bool, picks: &[u8], success: bool) {
         let keys = self.take_stores(whole_job, picks);
-        let hints = hints(&self.mgr, &keys, picks.len() + usize::from(success));
-        let freed = self
-            .mgr
-            .complete_store_hinted(&refs(&keys), &hints, success);
+        let salt = picks.len() + usize::from(success);
+        let freed = if vouches(salt) {
+            let hints = vouched_hints(&self.mgr, &keys, salt);
+            self.mgr
+                .complete_store_vouched(&refs(&keys), &hints, success)
+        } else {
+            let hints = hints(&self.mgr, &keys, salt);
+            self.mgr
+                .complete_store_hinted(&refs(&keys), &hints, success)
+        };
         assert_eq!(
             freed,
             self.model.complete_store(&keys, success),
             "freed chunks"
         );
+    }
+
+    /// `complete_load` of some of the loads in flight, on both sides, with chunk guesses.
+    fn complete_load(&mut self, whole_job: bool, picks: &[u8]) {
+        let keys = self.take_loads(whole_job, picks);
+        let got = if vouches(picks.len()) {
+            let hints = vouched_hints(&self.mgr, &keys, picks.len());
+            self.mgr.complete_load_vouched(&refs(&keys), &hints)
+        } else {
+            let hints = hints(&self.mgr, &keys, picks.len());
+            self.mgr.complete_load_hinted(&refs(&keys), &hints)
+        };
+        let want = self.model.complete_load(&keys);
+        assert_eq!(got.map_err(|e| refusal(&e)), want, "complete_load {keys:?}");
+    }
+
+    /// `touch` of any keys, on both sides, with chunk guesses.
+    fn touch(&mut self, picks: &[u8]) {
+        let keys: Vec<Key> = picks.iter().map(|&i| self.key(i)).collect();
+        if vouches(picks.len()) {
+            let hints = vouched_hints(&self.mgr, &keys, picks.len());
+            self.mgr.touch_vouched(&refs(&keys), &hints);
+        } else {
+            let hints = hints(&self.mgr, &keys, picks.len());
+            self.mgr.touch_hinted(&refs(&keys), &hints);
+        }
+        self.model.touch(&keys);
     }
 
     pub(crate) fn apply(&mut self, op: &Op) {
@@ -475,19 +540,8 @@ impl Harness {
                     self.load(slot, &keys, *explicit);
                 }
             }
-            Op::CompleteLoad { whole_job, picks } => {
-                let keys = self.take_loads(*whole_job, picks);
-                let hints = hints(&self.mgr, &keys, picks.len());
-                let got = self.mgr.complete_load_hinted(&refs(&keys), &hints);
-                let want = self.model.complete_load(&keys);
-                assert_eq!(got.map_err(|e| refusal(&e)), want, "complete_load {keys:?}");
-            }
-            Op::Touch(picks) => {
-                let keys: Vec<Key> = picks.iter().map(|&i| self.key(i)).collect();
-                let hints = hints(&self.mgr, &keys, picks.len());
-                self.mgr.touch_hinted(&refs(&keys), &hints);
-                self.model.touch(&keys);
-            }
+            Op::CompleteLoad { whole_job, picks } => self.complete_load(*whole_job, picks),
+            Op::Touch(picks) => self.touch(picks),
             Op::Store {
                 req,
                 keys,
