@@ -64,7 +64,9 @@ const MEMO_ENTRIES: usize = 4096;
 /// stored to or loaded from. `complete_store`, `complete_load` and `touch` usually get the
 /// very objects of the `prepare_store` or `prepare_load` before them, and pass these guesses to
 /// the core, which checks each against its slot's key bytes (a stale or reused address costs one
-/// comparison and changes no result) instead of hashing the key and probing the index.
+/// comparison and changes no result) instead of hashing the key and probing the index. When
+/// every guessed chunk keeps the very object named (`Core::keys`), the core is told it may skip
+/// even that comparison ([`Core::guesses`]).
 struct ChunkMemo {
     /// `(tag, chunk)`: the tag is the address's low bits past the alignment, so two objects may
     /// share an entry's tag; a guess is only a guess either way.
@@ -160,18 +162,23 @@ impl Core {
     /// the chunk's, so whenever the chunk holds a key, the key is the object's bytes (the rule
     /// `check_invariants` checks), and the core need not compare them.
     fn guesses(&self, addrs: &[usize]) -> (Recycled<Option<core::ChunkId>>, bool) {
-        let mut vouched = true;
-        let hints = addrs
+        // The guessed chunks' entries are read only after all are prefetched: in a large
+        // pool they are cold, and their misses overlap.
+        let hints: Recycled<Option<core::ChunkId>> = addrs
             .iter()
             .map(|&addr| {
                 let hint = self.memo.get(addr);
-                vouched &= hint
-                    .and_then(|c| self.keys.get(c as usize))
-                    .and_then(Option::as_ref)
-                    .is_some_and(|obj| obj.as_ptr() as usize == addr);
+                if let Some(kept) = hint.and_then(|c| self.keys.get(c as usize)) {
+                    kvoffload_core::mem::prefetch(kept);
+                }
                 hint
             })
             .collect();
+        let vouched = hints.iter().zip(addrs).all(|(&hint, &addr)| {
+            hint.and_then(|c| self.keys.get(c as usize))
+                .and_then(Option::as_ref)
+                .is_some_and(|obj| obj.as_ptr() as usize == addr)
+        });
         (hints, vouched)
     }
 
