@@ -36,7 +36,7 @@ pub use host::{ChunkLayout, HostPool, HostPoolOptions, Region, RegionOptions};
 pub use key::{group_of, hash_key, KeyBuf};
 pub use liveness::PendingWrites;
 pub use manager::{
-    Admission, Event, Lookup, Manager, ManagerConfig, PolicyKind, RawStats, StoreOutcome,
+    Admission, Event, Hints, Lookup, Manager, ManagerConfig, PolicyKind, RawStats, StoreOutcome,
 };
 pub use policy::{ArcPolicy, CachePolicy, LruPolicy, PolicyState};
 pub use pool::{ChunkId, ChunkPool};

@@ -25,6 +25,36 @@ use std::sync::Arc;
 /// Per-call scratch lists: a scheduler batch (typically <= 32 keys) needs no heap allocation.
 type Scratch<T> = SmallVec<[T; 32]>;
 
+/// Each key's chunk as a caller guesses it, for the completions and `touch`: `chunks[i]` may
+/// hold `keys[i]` (empty: no guesses). Guesses only save work: a wrong one changes no result.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Hints<'a> {
+    /// The guessed chunk of each key.
+    pub chunks: &'a [Option<ChunkId>],
+    /// The caller vouches for every guess: whenever slot `chunks[i]` holds a key, that key is
+    /// `keys[i]` (the caller knows the key it last put there, say), so a guessed slot's key is
+    /// not compared. A wrong vouch can make a call act on the wrong chunk: only a caller that
+    /// knows may set it.
+    pub vouched: bool,
+}
+
+impl<'a> Hints<'a> {
+    /// No guesses.
+    pub const NONE: Hints<'static> = Hints {
+        chunks: &[],
+        vouched: false,
+    };
+
+    /// Guesses to check against the slots' keys.
+    #[must_use]
+    pub fn checked(chunks: &'a [Option<ChunkId>]) -> Self {
+        Self {
+            chunks,
+            vouched: false,
+        }
+    }
+}
+
 static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The built-in cache policies.
@@ -384,14 +414,14 @@ impl Manager {
             .collect()
     }
 
-    /// [`resolve`](Self::resolve) with a guess per key: `hints[i]`, a chunk that may hold
-    /// `keys[i]` (empty: no guesses). A guess is used only when its slot holds that very key,
-    /// so a wrong or stale one costs a comparison; the other keys are hashed and looked up.
-    fn resolve_hinted(
-        &self,
-        keys: &[&[u8]],
-        hints: &[Option<ChunkId>],
-    ) -> Scratch<Option<ChunkId>> {
+    /// [`resolve`](Self::resolve) with a guess per key (see [`Hints`]). A guess is used only
+    /// when its slot holds that very key ([`at_guess`](Self::at_guess)), so a wrong or stale
+    /// one costs a comparison; the other keys are hashed and looked up.
+    fn resolve_hinted(&self, keys: &[&[u8]], hints: Hints<'_>) -> Scratch<Option<ChunkId>> {
+        let Hints {
+            chunks: hints,
+            vouched,
+        } = hints;
         if hints.len() != keys.len() {
             let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
             return self.resolve(keys, &hashes);
@@ -399,39 +429,35 @@ impl Manager {
         let mut found: Scratch<Option<ChunkId>> = keys
             .iter()
             .zip(hints)
-            .map(|(k, h)| h.filter(|&c| self.slots.holds_at(c, k)))
+            .map(|(k, h)| h.filter(|&c| self.at_guess(c, k, vouched)))
             .collect();
+        if found.iter().all(Option::is_some) {
+            // Every guess held (the usual completion): nothing to look up.
+            return found;
+        }
         if found.iter().all(Option::is_none) {
             // No guess held (a call without a prepare before it): the plain lookup.
             let hashes: Scratch<u64> = keys.iter().map(|k| hash_key(k)).collect();
             return self.resolve(keys, &hashes);
         }
         let rest: Scratch<usize> = (0..keys.len()).filter(|&i| found[i].is_none()).collect();
-        if !rest.is_empty() {
-            let rest_keys: Scratch<&[u8]> = rest.iter().map(|&i| keys[i]).collect();
-            let hashes: Scratch<u64> = rest_keys.iter().map(|k| hash_key(k)).collect();
-            for (&i, c) in rest.iter().zip(self.resolve(&rest_keys, &hashes)) {
-                found[i] = c;
-            }
+        let rest_keys: Scratch<&[u8]> = rest.iter().map(|&i| keys[i]).collect();
+        let hashes: Scratch<u64> = rest_keys.iter().map(|k| hash_key(k)).collect();
+        for (&i, c) in rest.iter().zip(self.resolve(&rest_keys, &hashes)) {
+            found[i] = c;
         }
         found
     }
 
-    /// Each key's chunk from vouched guesses (see
-    /// [`complete_load_vouched`](Self::complete_load_vouched)), when there is one per key and
-    /// every guessed slot holds a key (so the key it vouches for); else `None`.
-    fn vouched_chunks(
-        &self,
-        keys: &[&[u8]],
-        hints: &[Option<ChunkId>],
-    ) -> Option<Scratch<Option<ChunkId>>> {
-        if hints.len() != keys.len() {
-            return None;
+    /// Whether slot `c`, guessed for `key`, holds it: under a vouch (see [`Hints`]), whether
+    /// it holds a key at all.
+    #[inline]
+    fn at_guess(&self, c: ChunkId, key: &[u8], vouched: bool) -> bool {
+        if vouched {
+            self.slots.resident(c)
+        } else {
+            self.slots.holds_at(c, key)
         }
-        hints
-            .iter()
-            .map(|&h| h.filter(|&c| self.slots.resident(c)).map(Some))
-            .collect()
     }
 
     fn chunk_of(&self, key: &[u8]) -> Option<ChunkId> {
@@ -567,52 +593,29 @@ impl Manager {
 
     /// Release one pin per key; a chunk whose count reaches 0 is evictable again.
     pub fn complete_load(&mut self, keys: &[&[u8]]) -> Result<()> {
-        self.complete_load_hinted(keys, &[])
+        self.complete_load_hinted(keys, Hints::NONE)
     }
 
-    /// [`complete_load`](Self::complete_load) given a guess of each key's chunk (`hints[i]`
-    /// for `keys[i]`; empty: none). Guesses only save work: a wrong one is checked and
-    /// ignored, and the result is the same.
-    pub fn complete_load_hinted(
-        &mut self,
-        keys: &[&[u8]],
-        hints: &[Option<ChunkId>],
-    ) -> Result<()> {
-        self.pinning(|m| m.complete_load_pinning(keys, hints, false))
+    /// [`complete_load`](Self::complete_load) given a guess of each key's chunk ([`Hints`]):
+    /// the result is the same.
+    pub fn complete_load_hinted(&mut self, keys: &[&[u8]], hints: Hints<'_>) -> Result<()> {
+        self.pinning(|m| m.complete_load_pinning(keys, hints))
     }
 
-    /// [`complete_load_hinted`](Self::complete_load_hinted) with guesses the caller vouches
-    /// for: whenever slot `hints[i]` holds a key, that key is `keys[i]` (the caller knows the
-    /// key it last put there, say). A guessed slot's key is then not compared. A wrong vouch
-    /// can make the call act on the wrong chunk: only a caller that knows must use this.
-    pub fn complete_load_vouched(
-        &mut self,
-        keys: &[&[u8]],
-        hints: &[Option<ChunkId>],
-    ) -> Result<()> {
-        self.pinning(|m| m.complete_load_pinning(keys, hints, true))
-    }
-
-    /// [`complete_load_hinted`](Self::complete_load_hinted) (or, `vouched`,
-    /// [`complete_load_vouched`](Self::complete_load_vouched)), inside
+    /// [`complete_load_hinted`](Self::complete_load_hinted), inside
     /// [`pinning`](Self::pinning).
-    fn complete_load_pinning(
-        &mut self,
-        keys: &[&[u8]],
-        hints: &[Option<ChunkId>],
-        vouched: bool,
-    ) -> Result<()> {
+    fn complete_load_pinning(&mut self, keys: &[&[u8]], hints: Hints<'_>) -> Result<()> {
         self.apply_releases();
         // The usual call: every key at its guess, pinned. One pass checks them; any other call
         // takes the general way below, which finds the same chunks for these keys.
-        if hints.len() == keys.len() {
+        if hints.chunks.len() == keys.len() {
             let mut chunks: Scratch<ChunkId> = SmallVec::with_capacity(keys.len());
-            for (k, &h) in keys.iter().zip(hints) {
+            for (k, &h) in keys.iter().zip(hints.chunks) {
                 match h {
-                    // A pinned slot holds a key: under a vouch, this one.
                     Some(c)
+                        // A pinned slot holds a key: under a vouch, this one.
                         if matches!(self.slots.state(c), ChunkState::Ready(n) if n > 0)
-                            && (vouched || self.slots.holds_at(c, k)) =>
+                            && (hints.vouched || self.slots.holds_at(c, k)) =>
                     {
                         chunks.push(c);
                     }
@@ -670,30 +673,17 @@ impl Manager {
 
     /// Forward a touch to the policy (absent keys included: ARC learns from ghosts).
     pub fn touch(&mut self, keys: &[&[u8]]) {
-        self.touch_hinted(keys, &[]);
+        self.touch_hinted(keys, Hints::NONE);
     }
 
-    /// [`touch`](Self::touch) given a guess of each key's chunk (`hints[i]` for `keys[i]`;
-    /// empty: none), as [`complete_load_hinted`](Self::complete_load_hinted) takes them: a key
-    /// found at its guess is neither hashed nor looked up (its hash is the slot's).
-    pub fn touch_hinted(&mut self, keys: &[&[u8]], hints: &[Option<ChunkId>]) {
-        self.touch_with(keys, hints, false);
-    }
-
-    /// [`touch_hinted`](Self::touch_hinted) with guesses the caller vouches for, as
-    /// [`complete_load_vouched`](Self::complete_load_vouched) takes them.
-    pub fn touch_vouched(&mut self, keys: &[&[u8]], hints: &[Option<ChunkId>]) {
-        self.touch_with(keys, hints, true);
-    }
-
-    fn touch_with(&mut self, keys: &[&[u8]], hints: &[Option<ChunkId>], vouched: bool) {
+    /// [`touch`](Self::touch) given a guess of each key's chunk ([`Hints`]), as
+    /// [`complete_load_hinted`](Self::complete_load_hinted) takes them: a key found at its
+    /// guess is neither hashed nor looked up (its hash is the slot's).
+    pub fn touch_hinted(&mut self, keys: &[&[u8]], hints: Hints<'_>) {
         self.apply_releases();
         let hashes: Scratch<u64>;
-        let found = if hints.len() == keys.len() {
-            let found = match vouched.then(|| self.vouched_chunks(keys, hints)).flatten() {
-                Some(found) => found,
-                None => self.resolve_hinted(keys, hints),
-            };
+        let found = if hints.chunks.len() == keys.len() {
+            let found = self.resolve_hinted(keys, hints);
             hashes = keys
                 .iter()
                 .zip(&found)
@@ -836,49 +826,22 @@ impl Manager {
     /// Finish stores: pending keys become ready (`success`) or are dropped (failure). Other keys
     /// are ignored. At most one event is queued. Returns the chunks freed (failure only).
     pub fn complete_store(&mut self, keys: &[&[u8]], success: bool) -> Vec<ChunkId> {
-        self.complete_store_hinted(keys, &[], success)
+        self.complete_store_hinted(keys, Hints::NONE, success)
     }
 
-    /// [`complete_store`](Self::complete_store) given a guess of each key's chunk (`hints[i]`
-    /// for `keys[i]`; empty: none). Guesses only save work: a wrong one is checked and
-    /// ignored, and the result is the same.
+    /// [`complete_store`](Self::complete_store) given a guess of each key's chunk
+    /// ([`Hints`]): the result is the same.
     pub fn complete_store_hinted(
         &mut self,
         keys: &[&[u8]],
-        hints: &[Option<ChunkId>],
-        success: bool,
-    ) -> Vec<ChunkId> {
-        self.complete_store_with(keys, hints, false, success)
-    }
-
-    /// [`complete_store_hinted`](Self::complete_store_hinted) with guesses the caller vouches
-    /// for, as [`complete_load_vouched`](Self::complete_load_vouched) takes them.
-    pub fn complete_store_vouched(
-        &mut self,
-        keys: &[&[u8]],
-        hints: &[Option<ChunkId>],
-        success: bool,
-    ) -> Vec<ChunkId> {
-        self.complete_store_with(keys, hints, true, success)
-    }
-
-    fn complete_store_with(
-        &mut self,
-        keys: &[&[u8]],
-        hints: &[Option<ChunkId>],
-        vouched: bool,
+        hints: Hints<'_>,
         success: bool,
     ) -> Vec<ChunkId> {
         self.apply_releases();
         let mut freed = Vec::new();
         let mut done: Vec<KeyBuf> = Vec::new();
         let keep = self.events.is_some();
-        // Vouched guesses whose slots all hold a key name each key's chunk; any other call
-        // looks the keys up (guesses checked).
-        let found = match vouched.then(|| self.vouched_chunks(keys, hints)).flatten() {
-            Some(found) => found,
-            None => self.resolve_hinted(keys, hints),
-        };
+        let found = self.resolve_hinted(keys, hints);
         for (k, &c) in keys.iter().zip(&found) {
             let Some(c) = c else { continue };
             if self.slots.state(c) != ChunkState::Pending {

@@ -109,12 +109,14 @@ impl ChunkMemo {
 
 /// Complete the loads of `keys` (at `addrs`), with the memo's guesses of their chunks.
 fn complete_loads(m: &mut Core, keys: &[&[u8]], addrs: &[usize]) -> core::Result<()> {
-    let (hints, vouched) = m.guesses(addrs);
-    if vouched {
-        m.complete_load_vouched(keys, &hints)
-    } else {
-        m.complete_load_hinted(keys, &hints)
-    }
+    let (chunks, vouched) = m.guesses(addrs);
+    m.complete_load_hinted(
+        keys,
+        core::Hints {
+            chunks: &chunks,
+            vouched,
+        },
+    )
 }
 
 /// Complete the stores of `keys` (at `addrs`), with the memo's guesses of their chunks; the
@@ -125,12 +127,15 @@ fn complete_stores(
     addrs: &[usize],
     success: bool,
 ) -> Recycled<Option<Py<PyBytes>>> {
-    let (hints, vouched) = m.guesses(addrs);
-    let freed = if vouched {
-        m.complete_store_vouched(keys, &hints, success)
-    } else {
-        m.complete_store_hinted(keys, &hints, success)
-    };
+    let (chunks, vouched) = m.guesses(addrs);
+    let freed = m.complete_store_hinted(
+        keys,
+        core::Hints {
+            chunks: &chunks,
+            vouched,
+        },
+        success,
+    );
     m.take_keys(&freed)
 }
 
@@ -138,12 +143,14 @@ fn complete_stores(
 /// just loaded), so that a touch of other keys pays one memo read, not one per key.
 fn touch_keys(m: &mut Core, keys: &[&[u8]], addrs: &[usize]) {
     if addrs.first().is_some_and(|&a| m.memo.has(a)) {
-        let (hints, vouched) = m.guesses(addrs);
-        if vouched {
-            m.touch_vouched(keys, &hints);
-        } else {
-            m.touch_hinted(keys, &hints);
-        }
+        let (chunks, vouched) = m.guesses(addrs);
+        m.touch_hinted(
+            keys,
+            core::Hints {
+                chunks: &chunks,
+                vouched,
+            },
+        );
     } else {
         m.touch(keys);
     }
@@ -156,7 +163,6 @@ fn addresses(objs: &[Bound<'_, PyBytes>]) -> Recycled<usize> {
 }
 
 impl Core {
-    /// Forget the key objects of `chunks`; the caller drops them once the lock is released.
     /// The memo's guess of the chunk of each object at `addrs`, and whether the guesses can
     /// be vouched for: each guessed chunk keeps that very object. The object is then alive and
     /// the chunk's, so whenever the chunk holds a key, the key is the object's bytes (the rule
@@ -182,6 +188,7 @@ impl Core {
         (hints, vouched)
     }
 
+    /// Forget the key objects of `chunks`; the caller drops them once the lock is released.
     fn take_keys(&mut self, chunks: &[core::ChunkId]) -> Recycled<Option<Py<PyBytes>>> {
         self.take_keys_leaving_room(chunks, 0)
     }

@@ -15,7 +15,7 @@ mod illegal;
 pub(crate) use illegal::Illegal;
 
 use super::reference::{Key, Model, Refusal, Req};
-use kvoffload_core::{CoreError, Manager, ManagerConfig, PolicyKind, RequestState};
+use kvoffload_core::{CoreError, Hints, Manager, ManagerConfig, PolicyKind, RequestState};
 
 /// Length of a position table: 8 block hashes x 2 groups; block `h`, `g`-th group at `2h + g`.
 pub(crate) const MAX_KEYS: usize = 16;
@@ -145,7 +145,7 @@ fn hints(mgr: &Manager, keys: &[Key], salt: usize) -> Vec<Option<u32>> {
         .collect()
 }
 
-/// Guesses a caller may vouch for (the `*_vouched` calls), varied by `salt`: per key its
+/// Guesses a caller may vouch for ([`Hints::vouched`]), varied by `salt`: per key its
 /// chunk, none, or a chunk that holds no key (a free one, or an id past every chunk). Never a
 /// chunk that holds another key.
 fn vouched_hints(mgr: &Manager, keys: &[Key], salt: usize) -> Vec<Option<u32>> {
@@ -168,6 +168,23 @@ fn vouched_hints(mgr: &Manager, keys: &[Key], salt: usize) -> Vec<Option<u32>> {
 /// Whether a hinted call vouches for its guesses (one call in three).
 fn vouches(salt: usize) -> bool {
     salt % 3 == 1
+}
+
+/// The guesses of a hinted call varied by `salt`: vouched for or to check.
+fn guesses(mgr: &Manager, keys: &[Key], salt: usize) -> Vec<Option<u32>> {
+    if vouches(salt) {
+        vouched_hints(mgr, keys, salt)
+    } else {
+        hints(mgr, keys, salt)
+    }
+}
+
+/// `chunks` as the hints of a call varied by `salt` (see [`guesses`]).
+fn hinted(chunks: &[Option<u32>], salt: usize) -> Hints<'_> {
+    Hints {
+        chunks,
+        vouched: vouches(salt),
+    }
 }
 
 fn refs(keys: &[Key]) -> Vec<&[u8]> {
@@ -472,15 +489,10 @@ impl Harness {
     fn complete_store(&mut self, whole_job: bool, picks: &[u8], success: bool) {
         let keys = self.take_stores(whole_job, picks);
         let salt = picks.len() + usize::from(success);
-        let freed = if vouches(salt) {
-            let hints = vouched_hints(&self.mgr, &keys, salt);
-            self.mgr
-                .complete_store_vouched(&refs(&keys), &hints, success)
-        } else {
-            let hints = hints(&self.mgr, &keys, salt);
-            self.mgr
-                .complete_store_hinted(&refs(&keys), &hints, success)
-        };
+        let chunks = guesses(&self.mgr, &keys, salt);
+        let freed = self
+            .mgr
+            .complete_store_hinted(&refs(&keys), hinted(&chunks, salt), success);
         assert_eq!(
             freed,
             self.model.complete_store(&keys, success),
@@ -491,13 +503,10 @@ impl Harness {
     /// `complete_load` of some of the loads in flight, on both sides, with chunk guesses.
     fn complete_load(&mut self, whole_job: bool, picks: &[u8]) {
         let keys = self.take_loads(whole_job, picks);
-        let got = if vouches(picks.len()) {
-            let hints = vouched_hints(&self.mgr, &keys, picks.len());
-            self.mgr.complete_load_vouched(&refs(&keys), &hints)
-        } else {
-            let hints = hints(&self.mgr, &keys, picks.len());
-            self.mgr.complete_load_hinted(&refs(&keys), &hints)
-        };
+        let chunks = guesses(&self.mgr, &keys, picks.len());
+        let got = self
+            .mgr
+            .complete_load_hinted(&refs(&keys), hinted(&chunks, picks.len()));
         let want = self.model.complete_load(&keys);
         assert_eq!(got.map_err(|e| refusal(&e)), want, "complete_load {keys:?}");
     }
@@ -505,13 +514,9 @@ impl Harness {
     /// `touch` of any keys, on both sides, with chunk guesses.
     fn touch(&mut self, picks: &[u8]) {
         let keys: Vec<Key> = picks.iter().map(|&i| self.key(i)).collect();
-        if vouches(picks.len()) {
-            let hints = vouched_hints(&self.mgr, &keys, picks.len());
-            self.mgr.touch_vouched(&refs(&keys), &hints);
-        } else {
-            let hints = hints(&self.mgr, &keys, picks.len());
-            self.mgr.touch_hinted(&refs(&keys), &hints);
-        }
+        let chunks = guesses(&self.mgr, &keys, picks.len());
+        self.mgr
+            .touch_hinted(&refs(&keys), hinted(&chunks, picks.len()));
         self.model.touch(&keys);
     }
 
