@@ -394,6 +394,7 @@ impl ChunkTable {
     }
 
     /// The slot holding `key` and its state word; lock-free (see the module docs).
+    #[inline]
     fn find_word(&self, key: &[u8], hash: u64) -> Found {
         let want = key_words(key);
         let b = self.bucket(hash);
@@ -441,6 +442,7 @@ impl ChunkTable {
     }
 
     /// The state of `key`, lock-free.
+    #[inline]
     #[must_use]
     pub fn probe(&self, key: &[u8], hash: u64) -> Probe {
         match self.find_word(key, hash) {

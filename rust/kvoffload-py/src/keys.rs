@@ -301,15 +301,20 @@ pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
 }
 
 /// One key argument.
+#[inline]
 pub(crate) fn one_key<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
-    if let Ok(b) = obj.cast::<PyBytes>() {
-        return Ok(b.as_bytes());
+    match obj.cast::<PyBytes>() {
+        Ok(b) => Ok(b.as_bytes()),
+        Err(_) => Err(not_bytes(obj)),
     }
+}
+
+/// The error of a key argument that is not `bytes`.
+#[cold]
+#[inline(never)]
+fn not_bytes(obj: &Bound<'_, PyAny>) -> PyErr {
     let ty = type_name(obj);
-    Err(invalid_key(
-        obj.py(),
-        format!("a key must be bytes, got {ty}"),
-    ))
+    invalid_key(obj.py(), format!("a key must be bytes, got {ty}"))
 }
 
 static REQ_CONTEXT: PyOnceLock<Py<PyType>> = PyOnceLock::new();

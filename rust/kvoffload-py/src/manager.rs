@@ -519,6 +519,7 @@ impl ManagerCore {
     }
 
     /// The body of `lookup`: one key, the context not read.
+    #[inline]
     pub(crate) fn lookup_one<'py>(
         &self,
         py: Python<'py>,
