@@ -38,21 +38,12 @@ pub struct Hints<'a> {
     pub vouched: bool,
 }
 
-impl<'a> Hints<'a> {
+impl Hints<'_> {
     /// No guesses.
     pub const NONE: Hints<'static> = Hints {
         chunks: &[],
         vouched: false,
     };
-
-    /// Guesses to check against the slots' keys.
-    #[must_use]
-    pub fn checked(chunks: &'a [Option<ChunkId>]) -> Self {
-        Self {
-            chunks,
-            vouched: false,
-        }
-    }
 }
 
 static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(1);

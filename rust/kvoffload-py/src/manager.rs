@@ -107,16 +107,25 @@ impl ChunkMemo {
     }
 }
 
+/// The memo's guesses of a call's chunks ([`Core::guesses`]), as the core takes them.
+struct Guesses {
+    chunks: Recycled<Option<core::ChunkId>>,
+    vouched: bool,
+}
+
+impl Guesses {
+    fn hints(&self) -> core::Hints<'_> {
+        core::Hints {
+            chunks: &self.chunks,
+            vouched: self.vouched,
+        }
+    }
+}
+
 /// Complete the loads of `keys` (at `addrs`), with the memo's guesses of their chunks.
 fn complete_loads(m: &mut Core, keys: &[&[u8]], addrs: &[usize]) -> core::Result<()> {
-    let (chunks, vouched) = m.guesses(addrs);
-    m.complete_load_hinted(
-        keys,
-        core::Hints {
-            chunks: &chunks,
-            vouched,
-        },
-    )
+    let guesses = m.guesses(addrs);
+    m.complete_load_hinted(keys, guesses.hints())
 }
 
 /// Complete the stores of `keys` (at `addrs`), with the memo's guesses of their chunks; the
@@ -127,15 +136,8 @@ fn complete_stores(
     addrs: &[usize],
     success: bool,
 ) -> Recycled<Option<Py<PyBytes>>> {
-    let (chunks, vouched) = m.guesses(addrs);
-    let freed = m.complete_store_hinted(
-        keys,
-        core::Hints {
-            chunks: &chunks,
-            vouched,
-        },
-        success,
-    );
+    let guesses = m.guesses(addrs);
+    let freed = m.complete_store_hinted(keys, guesses.hints(), success);
     m.take_keys(&freed)
 }
 
@@ -143,14 +145,8 @@ fn complete_stores(
 /// just loaded), so that a touch of other keys pays one memo read, not one per key.
 fn touch_keys(m: &mut Core, keys: &[&[u8]], addrs: &[usize]) {
     if addrs.first().is_some_and(|&a| m.memo.has(a)) {
-        let (chunks, vouched) = m.guesses(addrs);
-        m.touch_hinted(
-            keys,
-            core::Hints {
-                chunks: &chunks,
-                vouched,
-            },
-        );
+        let guesses = m.guesses(addrs);
+        m.touch_hinted(keys, guesses.hints());
     } else {
         m.touch(keys);
     }
@@ -167,10 +163,10 @@ impl Core {
     /// be vouched for: each guessed chunk keeps that very object. The object is then alive and
     /// the chunk's, so whenever the chunk holds a key, the key is the object's bytes (the rule
     /// `check_invariants` checks), and the core need not compare them.
-    fn guesses(&self, addrs: &[usize]) -> (Recycled<Option<core::ChunkId>>, bool) {
+    fn guesses(&self, addrs: &[usize]) -> Guesses {
         // The guessed chunks' entries are read only after all are prefetched: in a large
         // pool they are cold, and their misses overlap.
-        let hints: Recycled<Option<core::ChunkId>> = addrs
+        let chunks: Recycled<Option<core::ChunkId>> = addrs
             .iter()
             .map(|&addr| {
                 let hint = self.memo.get(addr);
@@ -180,12 +176,12 @@ impl Core {
                 hint
             })
             .collect();
-        let vouched = hints.iter().zip(addrs).all(|(&hint, &addr)| {
+        let vouched = chunks.iter().zip(addrs).all(|(&hint, &addr)| {
             hint.and_then(|c| self.keys.get(c as usize))
                 .and_then(Option::as_ref)
                 .is_some_and(|obj| obj.as_ptr() as usize == addr)
         });
-        (hints, vouched)
+        Guesses { chunks, vouched }
     }
 
     /// Forget the key objects of `chunks`; the caller drops them once the lock is released.
