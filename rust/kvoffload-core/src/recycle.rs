@@ -24,8 +24,9 @@ const CLASSES: [(usize, usize); 9] = [
     (56, 8),
     (64, 8),
 ];
-/// Buffers kept per layout: enough for the vectors one call holds at once.
-const PER_CLASS: usize = 6;
+/// Buffers kept per layout: enough for the vectors one call holds at once (the manager's
+/// per-call scratch lists included), so a store with eviction allocates none.
+const PER_CLASS: usize = 16;
 /// The largest buffer kept (larger ones are freed: a rare huge call does not pin its memory).
 pub const MAX_BYTES: usize = 64 * 1024;
 
@@ -36,16 +37,18 @@ struct Raw {
     cap: usize,
 }
 
-/// The buffers one thread keeps, by class.
+/// The buffers one thread keeps, by class: a stack each, `kept[class][..len[class]]`, the
+/// last buffer given back on top.
 struct Pool {
-    kept: [[Option<Raw>; PER_CLASS]; CLASSES.len()],
+    kept: [[Raw; PER_CLASS]; CLASSES.len()],
+    len: [usize; CLASSES.len()],
 }
 
 impl Drop for Pool {
     fn drop(&mut self) {
-        for (class, kept) in self.kept.iter_mut().enumerate() {
+        for (class, (kept, &len)) in self.kept.iter().zip(&self.len).enumerate() {
             let (size, align) = CLASSES[class];
-            for raw in kept.iter_mut().filter_map(Option::take) {
+            for raw in &kept[..len] {
                 // The layout the buffer was allocated with: `cap` elements of `size` bytes,
                 // aligned to `align` (a `Vec` of such elements allocated it).
                 if let Ok(layout) = Layout::from_size_align(raw.cap * size, align) {
@@ -58,10 +61,16 @@ impl Drop for Pool {
     }
 }
 
+const NO_BUFFER: Raw = Raw {
+    ptr: std::ptr::null_mut(),
+    cap: 0,
+};
+
 thread_local! {
     static POOL: RefCell<Pool> = const {
         RefCell::new(Pool {
-            kept: [[None; PER_CLASS]; CLASSES.len()],
+            kept: [[NO_BUFFER; PER_CLASS]; CLASSES.len()],
+            len: [0; CLASSES.len()],
         })
     };
 }
@@ -88,9 +97,10 @@ pub fn take<T>(n: usize) -> Vec<T> {
         .and_then(|class| {
             POOL.try_with(|pool| {
                 let mut pool = pool.try_borrow_mut().ok()?;
-                let kept = &mut pool.kept[class];
                 // The last buffer given back is the first taken (most likely in cache).
-                let raw = kept.iter_mut().rev().find(|r| r.is_some())?.take()?;
+                let top = pool.len[class].checked_sub(1)?;
+                pool.len[class] = top;
+                let raw = pool.kept[class][top];
                 // SAFETY: `raw` is the buffer of an empty `Vec` whose element type had `T`'s
                 // size and alignment (its class), allocated by the global allocator for
                 // exactly `raw.cap` such elements: the layout `Vec<T>` with capacity
@@ -127,13 +137,13 @@ pub fn give<T>(mut v: Vec<T>) {
             let Ok(mut pool) = pool.try_borrow_mut() else {
                 return false;
             };
-            match pool.kept[class].iter_mut().find(|r| r.is_none()) {
-                Some(free) => {
-                    *free = Some(raw);
-                    true
-                }
-                None => false,
+            let top = pool.len[class];
+            if top == PER_CLASS {
+                return false;
             }
+            pool.kept[class][top] = raw;
+            pool.len[class] = top + 1;
+            true
         })
         .unwrap_or(false);
     if !kept {
@@ -186,6 +196,33 @@ impl<T> FromIterator<T> for Recycled<T> {
         let mut v = Self::with_capacity(iter.size_hint().0);
         v.extend(iter);
         v
+    }
+}
+
+impl<'a, T> IntoIterator for &'a Recycled<T> {
+    type Item = &'a T;
+    type IntoIter = std::slice::Iter<'a, T>;
+    #[inline]
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
+impl<'a, T> IntoIterator for &'a mut Recycled<T> {
+    type Item = &'a mut T;
+    type IntoIter = std::slice::IterMut<'a, T>;
+    #[inline]
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter_mut()
+    }
+}
+
+/// By value, the elements move out and the buffer is freed rather than kept.
+impl<T> IntoIterator for Recycled<T> {
+    type Item = T;
+    type IntoIter = std::vec::IntoIter<T>;
+    fn into_iter(mut self) -> Self::IntoIter {
+        std::mem::take(&mut self.0).into_iter()
     }
 }
 
@@ -260,6 +297,27 @@ mod tests {
         let next: Vec<u32> = take(1);
         assert_ne!(next.as_ptr() as usize, ptr);
         give(next);
+    }
+
+    #[test]
+    fn the_last_buffer_given_back_is_taken_first_and_lists_iterate_as_vectors() {
+        let (a, b): (Vec<u64>, Vec<u64>) = (take(4), take(4));
+        let (pa, pb) = (a.as_ptr() as usize, b.as_ptr() as usize);
+        give(a);
+        give(b);
+        let (first, second): (Vec<u64>, Vec<u64>) = (take(1), take(1));
+        assert_eq!(
+            (first.as_ptr() as usize, second.as_ptr() as usize),
+            (pb, pa)
+        );
+        give(second);
+        give(first);
+        let mut r: Recycled<u64> = (1..=4).collect();
+        for x in &mut r {
+            *x *= 10;
+        }
+        assert_eq!((&r).into_iter().sum::<u64>(), 100);
+        assert_eq!(r.into_iter().collect::<Vec<_>>(), [10, 20, 30, 40]);
     }
 
     #[test]
