@@ -673,6 +673,29 @@ def test_completions_by_prepared_objects_copies_or_stale_ones(
     m.check_invariants()
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_completions_of_batches_larger_than_the_chunk_memo(
+    make_manager: MakeManager, policy: str
+) -> None:
+    # The Rust manager's memo of where each object went has 4,096 entries, so a batch of 5,000
+    # objects loses some of its guesses to others of the batch: those keys are looked up, while
+    # the others are still taken at their guesses. Every key must complete all the same.
+    m = make_manager(5_000, cache_policy=policy)
+    ctx = ReqContext(req_id="")
+    keys = ks(*range(5_000))
+    m.complete_store(m.prepare_store(keys, ctx).keys_to_store, ctx)
+    assert all(ref == 0 for _, ref in m.resident().values())
+    m.prepare_load(keys, ctx)
+    assert all(ref == 1 for _, ref in m.resident().values())
+    m.touch(keys, ctx)
+    m.complete_load(keys, ctx)
+    assert all(ref == 0 for _, ref in m.resident().values())
+    with pytest.raises(KeyStateError):
+        m.complete_load(keys[::-1], ctx)  # every pin already released: nothing changes
+    assert len(m.resident()) == 5_000
+    m.check_invariants()
+
+
 # === Key collections ===========================================================================
 # The native manager reads lists and tuples 32 items at a time, with a fast path for batches of
 # exact ``bytes``; these pin down that every shape and mix reads the same.

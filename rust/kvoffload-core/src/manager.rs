@@ -437,7 +437,7 @@ impl Manager {
         let rest: Scratch<usize> = (0..keys.len()).filter(|&i| found[i].is_none()).collect();
         let rest_keys: Scratch<&[u8]> = rest.iter().map(|&i| keys[i]).collect();
         let hashes: Scratch<u64> = rest_keys.iter().map(|k| hash_key(k)).collect();
-        for (&i, c) in rest.iter().zip(self.resolve(&rest_keys, &hashes)) {
+        for (&i, &c) in rest.iter().zip(self.resolve(&rest_keys, &hashes).iter()) {
             found[i] = c;
         }
         found
@@ -556,7 +556,7 @@ impl Manager {
                 self.slots.check_pin(c, 1)?;
             }
         } else {
-            for (c, times) in multiplicities(&chunks) {
+            for (c, times) in multiplicities(&chunks).iter().copied() {
                 self.slots.check_pin(c, times)?;
             }
         }
@@ -641,7 +641,7 @@ impl Manager {
     /// than it has pins fails the call too, and is then named.
     fn unpin_loaded(&mut self, keys: &[&[u8]], chunks: &[ChunkId]) -> Result<()> {
         let zero = self.slots.unpin_all(chunks).map_err(|i| {
-            for (c, times) in multiplicities(chunks) {
+            for (c, times) in multiplicities(chunks).iter().copied() {
                 if let ChunkState::Ready(n) = self.slots.state(c) {
                     if times > n {
                         return CoreError::KeyState(format!(
@@ -1568,7 +1568,7 @@ fn multiplicities(chunks: &[ChunkId]) -> Scratch<(ChunkId, u32)> {
     let mut sorted: Scratch<ChunkId> = chunks.iter().copied().collect();
     sorted.sort_unstable();
     let mut out: Scratch<(ChunkId, u32)> = Scratch::with_capacity(0);
-    for c in sorted {
+    for &c in &sorted {
         match out.last_mut() {
             Some((last, n)) if *last == c => *n += 1,
             _ => out.push((c, 1)),

@@ -217,15 +217,6 @@ impl<'a, T> IntoIterator for &'a mut Recycled<T> {
     }
 }
 
-/// By value, the elements move out and the buffer is freed rather than kept.
-impl<T> IntoIterator for Recycled<T> {
-    type Item = T;
-    type IntoIter = std::vec::IntoIter<T>;
-    fn into_iter(mut self) -> Self::IntoIter {
-        std::mem::take(&mut self.0).into_iter()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -317,7 +308,7 @@ mod tests {
             *x *= 10;
         }
         assert_eq!((&r).into_iter().sum::<u64>(), 100);
-        assert_eq!(r.into_iter().collect::<Vec<_>>(), [10, 20, 30, 40]);
+        assert_eq!(r.as_slice(), [10, 20, 30, 40]);
     }
 
     #[test]

@@ -176,10 +176,15 @@ impl Core {
                 hint
             })
             .collect();
+        // A key without a guess (its memo entry taken by another object) claims nothing, so
+        // it does not spoil the vouch for the others: it is looked up.
         let vouched = chunks.iter().zip(addrs).all(|(&hint, &addr)| {
-            hint.and_then(|c| self.keys.get(c as usize))
-                .and_then(Option::as_ref)
-                .is_some_and(|obj| obj.as_ptr() as usize == addr)
+            hint.is_none_or(|c| {
+                self.keys
+                    .get(c as usize)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|obj| obj.as_ptr() as usize == addr)
+            })
         });
         Guesses { chunks, vouched }
     }
