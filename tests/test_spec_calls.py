@@ -692,7 +692,9 @@ def test_completions_of_batches_larger_than_the_chunk_memo(
     assert all(ref == 0 for _, ref in m.resident().values())
     with pytest.raises(KeyStateError):
         m.complete_load(keys[::-1], ctx)  # every pin already released: nothing changes
-    assert len(m.resident()) == 5_000
+    resident = m.resident()
+    assert len(resident) == 5_000
+    assert all(ref == 0 for _, ref in resident.values())
     m.check_invariants()
 
 
