@@ -1309,9 +1309,14 @@ impl Manager {
         req.reserve(which.len());
         req.added.clear();
         req.added.reserve(which.len());
-        let mut new: Scratch<Access<'_>> = Scratch::with_capacity(which.len());
-        // The keys go to the policy only if it reads them (LRU without positions, ARC: not).
+        // The keys go to the policy only if it reads them (LRU without positions, ARC: not);
+        // otherwise the list stays empty and takes no buffer.
         let listed = self.policy.reads_access_keys(call.positions.is_some());
+        let mut new: Scratch<Access<'_>> = if listed {
+            Scratch::with_capacity(which.len())
+        } else {
+            Vec::new().into()
+        };
         for i in which {
             if call.slots[i].is_none() {
                 // Unseen, or not looked up yet; a key repeated within the call is added by its
