@@ -759,7 +759,7 @@ impl Manager {
             .copied()
             .filter(|&i| call.slots[i].is_none_or(|j| req.seen[j as usize].flags & REPORTED == 0))
             .collect();
-        if !new_misses.is_empty() {
+        if !new_misses.is_empty() && self.policy.reads_store_misses() {
             let misses: Scratch<Access<'_>> =
                 new_misses.iter().map(|&i| call.access(i, None)).collect();
             self.policy.on_store_miss(&misses);

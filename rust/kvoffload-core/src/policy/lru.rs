@@ -125,6 +125,10 @@ impl CachePolicy for LruPolicy {
 
     fn on_store_miss(&mut self, _keys: &[Access<'_>]) {}
 
+    fn reads_store_misses(&self) -> bool {
+        false
+    }
+
     fn prefetch(&self, chunk: ChunkId) {
         self.order.prefetch(chunk);
     }

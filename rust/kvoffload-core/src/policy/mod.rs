@@ -136,6 +136,11 @@ pub trait CachePolicy: Send {
     fn reads_access_keys(&self, _positions: bool) -> bool {
         true
     }
+    /// Whether [`on_store_miss`](Self::on_store_miss) does anything. When it does not, the
+    /// manager neither builds the list of misses nor makes the call (default: it does).
+    fn reads_store_misses(&self) -> bool {
+        true
+    }
     /// A hit on the resident keys among `keys`: what kvoffload's own policies do on a touch or
     /// a request's first access, through the defaults of those two (default: nothing).
     fn hit(&mut self, _keys: &[Access<'_>]) {}
