@@ -7,8 +7,9 @@ Runs, each in its own process and all in this one invocation (so the ratios are 
 core crate's ``memory_floor`` example (what a lookup's memory accesses alone cost against pool
 size) and, where ``valgrind`` is, ``callgrind_ffi.py`` (instructions per key of the FFI cases,
 kvoffload and vLLM); then, for the targets against vLLM, two
-more runs of the target cases and of the replay, each in a fresh process (the page's verdicts
-take the median of the three); then writes the markdown and the PNGs.
+more runs of the target cases and of the replay, and for the pool-size targets two more runs of
+kvoffload's sizes, each in a fresh process (the page's verdicts take the median of the three);
+then writes the markdown and the PNGs.
 
     python benches/make_report.py --quick     # a few minutes: smaller pools and fewer repeats
     python benches/make_report.py --full      # the published figures: 10^7 chunks and more repeats
@@ -43,6 +44,7 @@ MODES: dict[str, dict[str, list[str]]] = {
         "step": ["--requests", "2000", "--repeat", "3"],
         "bench": ["--requests", "2000", "--repeat", "3"],
         "targets": ["--sizes", "100000", "--repeat", "3"],
+        "sizes": ["--sizes", "1000,10000,100000,1000000,10000000", "--repeat", "3"],
         "floor": ["1000", "100000", "1000000", "10000000"],
         "callgrind": ["--rounds", "50", "--warmup", "10"],
     },
@@ -52,12 +54,13 @@ MODES: dict[str, dict[str, list[str]]] = {
         "step": ["--requests", "5000", "--repeat", "3"],
         "bench": ["--requests", "5000", "--repeat", "3"],
         "targets": ["--sizes", "100000", "--repeat", "7"],
+        "sizes": ["--repeat", "5"],
         "floor": ["1000", "10000", "100000", "1000000", "10000000"],
         "callgrind": ["--rounds", "200", "--warmup", "50"],
     },
 }
 
-#: Runs of the target cases against vLLM beyond the main one (``ffi-2.json``, ``step-2.json``...).
+#: Runs of the target cases beyond the main one (``ffi-2.json``, ``step-2.json``, ``sizes-2.json``).
 EXTRA_RUNS = (2, 3)
 TARGET_OPS = "store_evict,load_complete,lookup,lookup_prefix"
 
@@ -96,6 +99,11 @@ def measure(mode: str, out: Path) -> None:
         ]
         jobs[f"step-{k}"] = [py, "vllm_step.py", "--json", str(out / f"step-{k}.json")]
         jobs[f"step-{k}"] += opts["step"]
+        # The pool-size targets are kvoffload's own ratios (10^7 over 10^3): its sizes alone.
+        jobs[f"sizes-{k}"] = [
+            *(py, "scaling.py", "--only", "sizes", "--impls", "rust"),
+            *("--json", str(out / f"sizes-{k}.json"), *opts["sizes"]),
+        ]
     for name in ("report", "scaling", "step", "bench"):
         jobs[name] += opts[name]
     if shutil.which("cargo") is not None:
@@ -152,7 +160,7 @@ def load(out: Path) -> dict[str, Any]:
         path = out / f"{name}.json"
         if path.is_file():
             docs[name] = json.loads(path.read_text())
-    for name in ("ffi", "step"):
+    for name in ("ffi", "step", "sizes"):
         more = [out / f"{name}-{k}.json" for k in EXTRA_RUNS]
         docs[f"{name}_more"] = [json.loads(p.read_text()) for p in more if p.is_file()]
     return docs

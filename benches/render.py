@@ -167,7 +167,7 @@ def render(d: dict[str, Any], docs: Path) -> str:
         body += _replay(d.get("step"), d.get("bench"), docs, targets, d.get("step_more", []))
     floor = _floor_extra(d.get("floor"))
     if "scaling" in d:
-        body += _scaling(d["scaling"], docs, targets, floor)
+        body += _scaling(d["scaling"], docs, targets, floor, d.get("sizes_more", []))
     if "floor" in d:
         body += _floor(d["floor"], d.get("scaling"))
     out += ["## Against issue 8's targets", ""]
@@ -177,6 +177,16 @@ def render(d: dict[str, Any], docs: Path) -> str:
             f"The targets against vLLM take the median of {runs} runs, each in a fresh process "
             "minutes apart (the tables below show the first; the others repeat only the target "
             "cases and the replay), since one run's ratio can move by a third either way.",
+            "",
+        ]
+    size_runs = 1 + len(d.get("sizes_more", []))
+    if "scaling" in d and size_runs > 1:
+        out += [
+            f"The pool-size targets take the median of {size_runs} runs of kvoffload's sizes, "
+            "each in a fresh process (the table below shows the first; the others time "
+            "kvoffload alone), since the ratio at the largest pool moves a lot from run to run "
+            "(LRU store with eviction at 10^7 over 10^3: 1.04x to 1.80x in separate runs on "
+            "this host).",
             "",
         ]
     out += _table(["target", "measured", "verdict"], targets)
@@ -529,11 +539,22 @@ def _cheap_ops(sc: dict[str, Any] | None, floor: tuple[int, int, float]) -> list
     return cheap
 
 
+def _size_ratio(sc: dict[str, Any], policy: str, op: str, small: str, large: str) -> float | None:
+    """kvoffload's cost of ``op`` at ``large`` chunks over ``small`` in a scaling run, if it
+    timed both."""
+    per_size = sc.get("sizes", {}).get("ns_per_key", {}).get(policy, {})
+    try:
+        return float(per_size[large]["rust"][op] / per_size[small]["rust"][op])
+    except KeyError:
+        return None
+
+
 def _scaling(
     sc: dict[str, Any],
     docs: Path,
     targets: list[list[str]],
     floor: tuple[int, int, float] | None = None,
+    more: list[dict[str, Any]] | None = None,
 ) -> list[str]:
     out: list[str] = []
     plt = _plt()
@@ -574,9 +595,11 @@ def _scaling(
                     ]
                     rows.append([op, IMPL_NAMES[impl], *cells, f"{_x(ratio)} ({int(have[-1]):,})"])
                     if impl == "rust":
-                        verdict = _met(ratio <= FLAT_TARGET)
+                        others = (_size_ratio(m, policy, op, have[0], have[-1]) for m in more or [])
+                        median, shown = _median_of_runs([ratio, *filter(None, others)])
+                        verdict = _met(median <= FLAT_TARGET)
                         first = per_size[have[0]][impl][op]
-                        if ratio > FLAT_TARGET and _out_of_reach(
+                        if median > FLAT_TARGET and _out_of_reach(
                             floor, int(have[0]), int(have[-1]), first
                         ):
                             verdict += " (out of reach: see Memory floor)"
@@ -584,7 +607,7 @@ def _scaling(
                             [
                                 f"{policy} {op}: per-key cost at {int(have[-1]):,} chunks within "
                                 f"{FLAT_TARGET}x of {int(have[0]):,}",
-                                _x(ratio),
+                                shown,
                                 verdict,
                             ]
                         )
