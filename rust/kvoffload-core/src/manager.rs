@@ -748,25 +748,24 @@ impl Manager {
             }
             resident.push(c);
         }
-        // Distinct keys: checked above.
-        let mut call = Call::new(keys, &hashes, positions, req, true);
+        // Distinct keys: checked above. Which of them the request reported before is read
+        // only for a policy that takes store misses; for any other, the keys are resolved as
+        // they are recorded (one probe each), not looked up first.
+        let reports = self.policy.reads_store_misses();
+        let mut call = if reports {
+            Call::new(keys, &hashes, positions, req, true)
+        } else {
+            Call::lazy(keys, &hashes, positions, req, true)
+        };
         call.check_may_record(req, recorded.iter().copied())?;
 
         // 1-3: the candidates are the absent keys the threshold admits (above).
         // 4: report misses this request has not reported yet.
-        let new_misses: Scratch<usize> = candidates
-            .iter()
-            .copied()
-            .filter(|&i| call.slots[i].is_none_or(|j| req.seen[j as usize].flags & REPORTED == 0))
-            .collect();
-        if !new_misses.is_empty() && self.policy.reads_store_misses() {
-            let misses: Scratch<Access<'_>> =
-                new_misses.iter().map(|&i| call.access(i, None)).collect();
-            self.policy.on_store_miss(&misses);
-            if self.policy_failed() {
-                return Err(policy_error("on_store_miss"));
-            }
-        }
+        let new_misses = if reports {
+            self.report_store_misses(&call, req, &candidates)?
+        } else {
+            Vec::new().into()
+        };
         // 5: record the access (the flags are set once nothing can fail any more).
         let mark = req.seen.len();
         if !self.record_new(req, &mut call, recorded.iter().copied(), |i| resident[i]) {
@@ -815,6 +814,30 @@ impl Manager {
             evicted,
             evicted_chunks: victims,
         }))
+    }
+
+    /// Report to the policy the candidates (`keys[i]`, `i` in `candidates`) that the request
+    /// has not reported yet; returns them (their flags are the caller's to set).
+    fn report_store_misses(
+        &mut self,
+        call: &Call<'_>,
+        req: &RequestState,
+        candidates: &[usize],
+    ) -> Result<Scratch<usize>> {
+        let new_misses: Scratch<usize> = candidates
+            .iter()
+            .copied()
+            .filter(|&i| call.slots[i].is_none_or(|j| req.seen[j as usize].flags & REPORTED == 0))
+            .collect();
+        if !new_misses.is_empty() {
+            let misses: Scratch<Access<'_>> =
+                new_misses.iter().map(|&i| call.access(i, None)).collect();
+            self.policy.on_store_miss(&misses);
+            if self.policy_failed() {
+                return Err(policy_error("on_store_miss"));
+            }
+        }
+        Ok(new_misses)
     }
 
     /// Finish stores: pending keys become ready (`success`) or are dropped (failure). Other keys

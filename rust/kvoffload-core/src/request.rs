@@ -14,7 +14,8 @@ use hashbrown::HashSet;
 pub(crate) const INSERTED: u8 = 1;
 /// The request loaded the key or offered it while readable (and had not inserted it then).
 pub(crate) const REUSED: u8 = 2;
-/// The key was reported to the policy's `on_store_miss` for this request.
+/// The key was reported to the policy's `on_store_miss` for this request (kept only for a
+/// policy that reads store misses: for any other, nothing reads it).
 pub(crate) const REPORTED: u8 = 4;
 
 /// Keys the index of a request's first recording call makes room for (a few KiB): a request
