@@ -204,8 +204,8 @@ impl CachePolicy for LruPolicy {
             out.truncate(start);
             return false;
         }
+        self.order.remove_all(&out[start..]);
         for &c in &out[start..] {
-            self.order.remove(c);
             self.resident[c as usize] = false;
         }
         true

@@ -337,6 +337,39 @@ impl<K: OrderKey> SharedOrder<K> {
         }
     }
 
+    /// Drop every chunk of `cs` (each a member or held, or absent): at once when they are the
+    /// list's first members in order (what an eviction that passed nothing by takes), so no
+    /// neighbour between them is relinked; otherwise one by one.
+    pub(crate) fn remove_all(&mut self, nodes: &mut [Node<K>], cs: &[ChunkId]) {
+        let mut at = self.head;
+        let prefix = cs.iter().all(|&c| {
+            let here = at == c && self.place.get(c as usize) == Some(&Place::List);
+            if here {
+                at = nodes[c as usize].next;
+            }
+            here
+        });
+        if !prefix || cs.is_empty() {
+            for &c in cs {
+                self.remove(nodes, c);
+            }
+            return;
+        }
+        for &c in cs {
+            self.place[c as usize] = Place::Out;
+            if self.finger == c {
+                self.finger = NIL;
+            }
+        }
+        self.head = at;
+        if at == NIL {
+            self.tail = NIL;
+        } else {
+            nodes[at as usize].prev = NIL;
+        }
+        self.len -= cs.len();
+    }
+
     /// Member `c` stops being one but keeps its place (see the module docs).
     pub(crate) fn hold(&mut self, c: ChunkId) {
         let p = &mut self.place[c as usize];
@@ -656,6 +689,11 @@ impl<K: OrderKey> EvictionOrder<K> {
         self.order.remove(&mut self.nodes, c);
     }
 
+    /// See [`SharedOrder::remove_all`].
+    pub(crate) fn remove_all(&mut self, cs: &[ChunkId]) {
+        self.order.remove_all(&mut self.nodes, cs);
+    }
+
     /// See [`SharedOrder::hold`].
     pub(crate) fn hold(&mut self, c: ChunkId) {
         self.order.hold(c);
@@ -784,6 +822,53 @@ impl<K: OrderKey> Iterator for Iter<'_, K> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn remove_all_cuts_a_head_prefix_or_removes_one_by_one() {
+        let build = || {
+            let mut o: EvictionOrder<u64> = EvictionOrder::new();
+            o.grow(8);
+            for c in 0..6 {
+                o.insert(c, 10 * u64::from(c) + 10);
+            }
+            o.insert(6, 5); // below the tail: the tree, first in the order
+            o
+        };
+        let order = |o: &EvictionOrder<u64>| -> Vec<ChunkId> {
+            o.iter(&mut Vec::new()).map(|(_, c)| c).collect()
+        };
+        // The list's first members: cut at once.
+        let mut o = build();
+        o.remove_all(&[0, 1, 2]);
+        o.validate().unwrap();
+        assert_eq!(order(&o), vec![6, 3, 4, 5]);
+        assert_eq!(o.len(), 4);
+        // The whole list, then an insert at the tail.
+        o.remove_all(&[3, 4, 5]);
+        o.validate().unwrap();
+        assert_eq!(order(&o), vec![6]);
+        o.insert(7, 100);
+        o.validate().unwrap();
+        assert_eq!(order(&o), vec![6, 7]);
+        // Not a prefix (a gap, the tree, out of order, held): one by one, the same result.
+        for cs in [&[0, 2][..], &[6, 0], &[1, 0], &[0, 1]] {
+            let mut o = build();
+            if cs == [0, 1] {
+                o.hold(1);
+            }
+            o.remove_all(cs);
+            o.validate().unwrap();
+            let mut want = build();
+            if cs == [0, 1] {
+                want.hold(1);
+            }
+            for &c in cs {
+                want.remove(c);
+            }
+            assert_eq!(order(&o), order(&want), "{cs:?}");
+            assert_eq!(o.len(), want.len(), "{cs:?}");
+        }
+    }
 
     #[test]
     fn merges_appends_and_late_inserts_in_order() {
