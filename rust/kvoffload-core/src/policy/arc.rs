@@ -461,15 +461,39 @@ impl CachePolicy for ArcPolicy {
         }
         self.ghosts.prefetch_oldest(GhostList::B1);
         self.ghosts.prefetch_oldest(GhostList::B2);
-        for &c in &out[start..] {
-            // A victim of T1's scan is in T1 until this unlink.
-            let list = if self.unlink(c) == List::T1 {
+        let victims = &out[start..];
+        let first = victims
+            .first()
+            .map_or(List::None, |&c| self.info[c as usize].list);
+        if first != List::None && victims.iter().all(|&c| self.info[c as usize].list == first) {
+            // All from one list (the usual eviction): out of its order in one step, which cuts
+            // a prefix of it at once (see `SharedOrder::remove_all`).
+            let (order, nodes) = self.order_of_mut(first);
+            order.remove_all(nodes, victims);
+            let ghost = if first == List::T1 {
+                self.t1_len -= victims.len();
                 GhostList::B1
             } else {
+                self.t2_len -= victims.len();
                 GhostList::B2
             };
-            self.info[c as usize].evictable = false;
-            push_ghost(&mut self.ghosts, list, keys, c);
+            for &c in victims {
+                let info = &mut self.info[c as usize];
+                info.list = List::None;
+                info.evictable = false;
+                push_ghost(&mut self.ghosts, ghost, keys, c);
+            }
+        } else {
+            for &c in victims {
+                // A victim of T1's scan is in T1 until this unlink.
+                let list = if self.unlink(c) == List::T1 {
+                    GhostList::B1
+                } else {
+                    GhostList::B2
+                };
+                self.info[c as usize].evictable = false;
+                push_ghost(&mut self.ghosts, list, keys, c);
+            }
         }
         for list in [GhostList::B1, GhostList::B2] {
             while self.ghosts.len(list) > self.capacity {
