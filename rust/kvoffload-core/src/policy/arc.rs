@@ -215,13 +215,19 @@ impl ArcPolicy {
             let (order, nodes) = self.order_of_mut(l);
             order.remove(nodes, chunk);
         }
+        self.count_out(chunk, l);
+        l
+    }
+
+    /// `chunk`, in list `l` but already out of its order, leaves the list.
+    #[inline]
+    fn count_out(&mut self, chunk: ChunkId, l: List) {
         match l {
             List::T1 => self.t1_len -= 1,
             List::T2 => self.t2_len -= 1,
             List::None => {}
         }
-        self.info[i].list = List::None;
-        l
+        self.info[chunk as usize].list = List::None;
     }
 
     /// Start loading `chunk`'s entry in the order of its list; changes nothing.
@@ -467,20 +473,19 @@ impl CachePolicy for ArcPolicy {
             .map_or(List::None, |&c| self.info[c as usize].list);
         if first != List::None && victims.iter().all(|&c| self.info[c as usize].list == first) {
             // All from one list (the usual eviction): out of its order in one step, which cuts
-            // a prefix of it at once (see `SharedOrder::remove_all`).
+            // a prefix of it at once (see `SharedOrder::remove_all`). (Leaving the unlinking to
+            // the loop below, which would find them out of the order, measured 2% more
+            // instructions a store.)
             let (order, nodes) = self.order_of_mut(first);
             order.remove_all(nodes, victims);
             let ghost = if first == List::T1 {
-                self.t1_len -= victims.len();
                 GhostList::B1
             } else {
-                self.t2_len -= victims.len();
                 GhostList::B2
             };
             for &c in victims {
-                let info = &mut self.info[c as usize];
-                info.list = List::None;
-                info.evictable = false;
+                self.count_out(c, first);
+                self.info[c as usize].evictable = false;
                 push_ghost(&mut self.ghosts, ghost, keys, c);
             }
         } else {

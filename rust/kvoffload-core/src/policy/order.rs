@@ -341,6 +341,9 @@ impl<K: OrderKey> SharedOrder<K> {
     /// list's first members in order (what an eviction that passed nothing by takes), so no
     /// neighbour between them is relinked; otherwise one by one.
     pub(crate) fn remove_all(&mut self, nodes: &mut [Node<K>], cs: &[ChunkId]) {
+        if cs.is_empty() {
+            return;
+        }
         let mut at = self.head;
         let prefix = cs.iter().all(|&c| {
             let here = at == c && self.place.get(c as usize) == Some(&Place::List);
@@ -349,7 +352,7 @@ impl<K: OrderKey> SharedOrder<K> {
             }
             here
         });
-        if !prefix || cs.is_empty() {
+        if !prefix {
             for &c in cs {
                 self.remove(nodes, c);
             }
