@@ -919,14 +919,14 @@ impl Manager {
         let finished: recycle::Recycled<FinishedKey<'_>> = order
             .iter()
             .map(|&i| {
-                let s = &req.seen[i];
+                let (s, key) = (&req.seen[i], req.key(i));
                 // The chunk the request last saw the key at, if it still holds the key; else a
                 // lookup with the kept hash (no rehashing).
                 let chunk = Some(s.chunk)
-                    .filter(|&c| self.slots.holds_at(c, &s.key))
-                    .or_else(|| self.find(&s.key, s.hash));
+                    .filter(|&c| self.slots.holds_at(c, key))
+                    .or_else(|| self.find(key, s.hash));
                 FinishedKey {
-                    key: &s.key,
+                    key,
                     chunk,
                     inserted_only: s.flags & INSERTED != 0 && s.flags & REUSED == 0,
                     reused: s.flags & REUSED != 0,
@@ -1609,7 +1609,7 @@ fn multiplicities(chunks: &[ChunkId]) -> Scratch<(ChunkId, u32)> {
 /// order, re-sorted by position when all its keys have one; then, when every key has a position,
 /// the whole list re-sorted (stably) by position.
 fn head_to_tail(req: &RequestState, positions: &[Option<i64>]) -> Vec<usize> {
-    let groups: recycle::Recycled<u32> = req.seen.iter().map(|s| group_of(&s.key)).collect();
+    let groups: recycle::Recycled<u32> = req.seen_keys().map(group_of).collect();
     order_head_to_tail(&groups, positions)
 }
 
