@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import platform
 import sys
 import time
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, default=16, help="keys per store call")
     parser.add_argument("--chunks", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=3, help="keep the fastest of N runs")
+    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     per_request = args.batches * args.keys
     print(
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| policy | manager | µs per context | ns per key | vs kvoffload |")
     print("|---|---|---:|---:|---:|")
+    report: list[dict[str, Any]] = []
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -131,9 +134,22 @@ def main(argv: list[str] | None = None) -> int:
                     f"| {policy} | {name} | {ns / 1e3:,.2f} | {ns / per_request:,.1f} "
                     f"| {ns / best['kvoffload']:.2f}x |"
                 )
+                report.append(
+                    {
+                        "policy": policy,
+                        "manager": name,
+                        "ns_per_context": ns,
+                        "runs_ns": runs[name],
+                        "requests": args.requests,
+                        "keys_per_request": per_request,
+                        "chunks": args.chunks,
+                    }
+                )
     finally:
         if gc_was_enabled:
             gc.enable()
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2))
     return 0
 
 

@@ -43,6 +43,7 @@ MODES: dict[str, dict[str, list[str]]] = {
         ],
         "step": ["--requests", "2000", "--repeat", "3"],
         "bench": ["--requests", "2000", "--repeat", "3"],
+        "drop": ["--requests", "1000", "--repeat", "3"],
         "targets": ["--sizes", "100000", "--repeat", "3"],
         "sizes": ["--sizes", "1000,10000,100000,1000000,10000000", "--repeat", "3"],
         "floor": ["1000", "100000", "1000000", "10000000"],
@@ -53,6 +54,7 @@ MODES: dict[str, dict[str, list[str]]] = {
         "scaling": ["--python-max", "1000000", "--memory-chunks", "1000000", "--repeat", "5"],
         "step": ["--requests", "5000", "--repeat", "3"],
         "bench": ["--requests", "5000", "--repeat", "3"],
+        "drop": ["--requests", "2000", "--repeat", "5"],
         "targets": ["--sizes", "100000", "--repeat", "7"],
         "sizes": ["--repeat", "5"],
         "floor": ["1000", "10000", "100000", "1000000", "10000000"],
@@ -91,6 +93,7 @@ def measure(mode: str, out: Path) -> None:
             *(py, "-m", "kvoffload.bench", "--policies", ALL_POLICIES, "--no-progress"),
             *("--impls", "reference,rust", "--json", str(out / "bench.json")),
         ],
+        "drop": [py, "context_drop.py", "--json", str(out / "drop.json")],
     }
     for k in EXTRA_RUNS:
         jobs[f"report-{k}"] = [
@@ -104,7 +107,7 @@ def measure(mode: str, out: Path) -> None:
             *(py, "scaling.py", "--only", "sizes", "--impls", "rust"),
             *("--json", str(out / f"sizes-{k}.json"), *opts["sizes"]),
         ]
-    for name in ("report", "scaling", "step", "bench"):
+    for name in ("report", "scaling", "step", "bench", "drop"):
         jobs[name] += opts[name]
     if shutil.which("cargo") is not None:
         jobs["floor"] = [
@@ -156,7 +159,7 @@ def _cpus() -> str:
 def load(out: Path) -> dict[str, Any]:
     """The JSON documents of a run, by name (a missing one is absent)."""
     docs: dict[str, Any] = {}
-    for name in ("meta", "ffi", "scaling", "step", "bench", "floor", "callgrind"):
+    for name in ("meta", "ffi", "scaling", "step", "bench", "drop", "floor", "callgrind"):
         path = out / f"{name}.json"
         if path.is_file():
             docs[name] = json.loads(path.read_text())

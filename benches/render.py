@@ -165,6 +165,8 @@ def render(d: dict[str, Any], docs: Path) -> str:
         body += _ffi(d["ffi"], docs, targets, d.get("ffi_more", []))
     if "step" in d or "bench" in d:
         body += _replay(d.get("step"), d.get("bench"), docs, targets, d.get("step_more", []))
+    if "drop" in d:
+        body += _drop(d["drop"])
     floor = _floor_extra(d.get("floor"))
     if "scaling" in d:
         body += _scaling(d["scaling"], docs, targets, floor, d.get("sizes_more", []))
@@ -199,6 +201,39 @@ def render(d: dict[str, Any], docs: Path) -> str:
         out += [" ".join(cmd) for cmd in meta["commands"].values()]
         out += ["```", ""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _drop(rows: list[dict[str, Any]]) -> list[str]:
+    """``context_drop.py``: what dropping a finished request's context costs, per manager."""
+    if not rows:
+        return []
+    first = rows[0]
+    out = [
+        "## Dropping a finished request's context",
+        "",
+        "`benches/context_drop.py`: a manager keeps each request's state on its context, so the "
+        "state is freed when the scheduler drops the context, on its own thread and usually long "
+        "after the request's last call (no replay above times it). "
+        f"{first['requests']:,} requests each store {first['keys_per_request']} new keys "
+        f"through one manager of {first['chunks']:,} chunks and finish; the CPU caches are then "
+        "evicted and the contexts dropped one by one (the key objects stay alive elsewhere, so "
+        "only the managers' state is freed). The managers take turns, fastest run kept.",
+        "",
+    ]
+    base = {r["policy"]: r["ns_per_context"] for r in rows if r["manager"] == "kvoffload"}
+    table = [
+        [
+            r["policy"],
+            r["manager"] if r["manager"] != "vllm" else IMPL_NAMES["vllm"],
+            f"{r['ns_per_context'] / 1e3:,.2f}",
+            _ns(r["ns_per_context"] / r["keys_per_request"]),
+            f"{r['ns_per_context'] / base[r['policy']]:.2f}x" if r["policy"] in base else "-",
+        ]
+        for r in rows
+    ]
+    return out + _table(
+        ["policy", "manager", "µs per context", "ns per key", "against kvoffload"], table
+    )
 
 
 def _callgrind(rows: list[dict[str, Any]]) -> list[str]:

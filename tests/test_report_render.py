@@ -131,3 +131,28 @@ def test_a_single_size_run_is_judged_alone(render: ModuleType, tmp_path: Path) -
     render._scaling(_sizes(store_large=180.0), tmp_path, targets, None)
     store = next(t for t in targets if t[0].startswith("lru store_evict"))
     assert store[1:] == ["1.80x", "**not met**"]
+
+
+def _drop(manager: str, ns: float, policy: str = "lru") -> dict[str, Any]:
+    return {
+        "policy": policy,
+        "manager": manager,
+        "ns_per_context": ns,
+        "runs_ns": [ns],
+        "requests": 1000,
+        "keys_per_request": 100,
+        "chunks": 100_000,
+    }
+
+
+def test_context_drops_get_a_section_when_the_run_made_them(
+    render: ModuleType, tmp_path: Path
+) -> None:
+    meta = {"mode": "quick", "date": "today"}
+    assert "Dropping a finished request's context" not in render.render({"meta": meta}, tmp_path)
+    rows = [_drop("kvoffload", 2_000.0), _drop("reference", 5_000.0), _drop("vllm", 7_000.0)]
+    text = render.render({"meta": meta, "drop": rows}, tmp_path)
+    assert "## Dropping a finished request's context" in text
+    assert "| lru | kvoffload | 2.00 | 20.0 | 1.00x |" in text
+    assert "| lru | reference | 5.00 | 50.0 | 2.50x |" in text
+    assert "| lru | vLLM 0.33.0 | 7.00 | 70.0 | 3.50x |" in text
