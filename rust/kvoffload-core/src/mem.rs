@@ -37,6 +37,60 @@ pub fn prefetch_addr(p: *const u8) {
     let _ = p;
 }
 
+/// `v` resized to `n` elements, the new ones made by `f`, as [`Vec::resize_with`] does, except
+/// that a vector of 2 MiB or more grows into a fresh buffer that asks for transparent huge pages
+/// (`MADV_HUGEPAGE`, on Linux) before anything is written to it. The per-chunk arrays of the
+/// policies and of the binding (nodes, list places, flags, the kept key objects) grow through
+/// this: they are read at random by chunk id, and on 4 KiB pages a pool of millions of chunks
+/// would miss the TLB on most of those reads. They grow by doubling, so the copy a growth makes
+/// is amortised O(1) per element, as `Vec`'s own growth is.
+pub fn resize_huge_with<T>(v: &mut Vec<T>, n: usize, f: impl FnMut() -> T) {
+    reserve_huge(v, n.saturating_sub(v.len()));
+    v.resize_with(n, f);
+}
+
+/// Make room for `additional` more elements in `v`, as [`Vec::reserve`] does, except that a
+/// vector that grows to 2 MiB or more grows as [`resize_huge_with`] does.
+pub fn reserve_huge<T>(v: &mut Vec<T>, additional: usize) {
+    let n = v.len().saturating_add(additional);
+    #[cfg(not(loom))]
+    if n > v.capacity() && n.saturating_mul(std::mem::size_of::<T>()) >= HUGE_PAGE {
+        let cap = n.max(v.capacity().saturating_mul(2));
+        let mut grown: Vec<T> = Vec::with_capacity(cap);
+        advise_huge(
+            grown.as_mut_ptr().cast(),
+            grown.capacity() * std::mem::size_of::<T>(),
+        );
+        grown.append(v);
+        *v = grown;
+    }
+    v.reserve(additional);
+}
+
+/// [`resize_huge_with`] with copies of `value`.
+pub fn resize_huge<T: Clone>(v: &mut Vec<T>, n: usize, value: T) {
+    resize_huge_with(v, n, || value.clone());
+}
+
+/// Ask the kernel to back the whole 2 MiB pages inside `bytes` bytes from `p` with transparent
+/// huge pages. A hint: it changes no contents and may be refused; a no-op off Linux.
+#[cfg(not(loom))]
+fn advise_huge(p: *mut u8, bytes: usize) {
+    let start = (p as usize).div_ceil(HUGE_PAGE) * HUGE_PAGE;
+    let end = (p as usize).saturating_add(bytes) / HUGE_PAGE * HUGE_PAGE;
+    #[cfg(target_os = "linux")]
+    if end > start {
+        // SAFETY: `start..end` lies inside the caller's allocation of `bytes` bytes from `p`
+        // and is page-aligned; the advice only changes how the kernel backs those pages, never
+        // their contents, and its failure is harmless.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (start, end);
+}
+
 /// A type whose all-zero bytes are a valid value (the atomics and structs of them).
 ///
 /// # Safety
@@ -216,5 +270,34 @@ mod tests {
         let empty: ZeroArray<AtomicU32> = ZeroArray::new(0).unwrap();
         assert!(empty.is_empty());
         assert!(ZeroArray::<AtomicU64>::new(usize::MAX).is_none());
+    }
+
+    #[test]
+    fn resizing_keeps_the_elements_and_fills_the_rest_small_and_huge() {
+        // Small steps below 2 MiB, one growth across it, then steps inside the huge buffer and
+        // another growth of it; a shrink at the end.
+        let mut v: Vec<u64> = Vec::new();
+        let mut next = 0u64;
+        for n in [10, 1_000, 200_000, 300_000, 300_001, 2_000_000, 5] {
+            let before = v.clone();
+            resize_huge_with(&mut v, n, || {
+                next += 1;
+                next
+            });
+            assert_eq!(v.len(), n);
+            let kept = before.len().min(n);
+            assert_eq!(v[..kept], before[..kept], "elements kept at n = {n}");
+            assert!(
+                v[kept..].windows(2).all(|w| w[1] == w[0] + 1),
+                "new elements made in order at n = {n}"
+            );
+        }
+        let mut flags = vec![true; 3];
+        resize_huge(&mut flags, 3_000_000, false);
+        assert!(flags[..3].iter().all(|&f| f) && !flags[3..].iter().any(|&f| f));
+        // A huge growth takes at least double the capacity (amortised O(1) growth).
+        let cap = flags.capacity();
+        resize_huge(&mut flags, cap + 1, true);
+        assert!(flags.capacity() >= 2 * cap);
     }
 }

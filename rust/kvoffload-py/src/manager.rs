@@ -214,7 +214,7 @@ impl Core {
     fn put_key(&mut self, c: core::ChunkId, obj: Py<PyBytes>) -> Option<Py<PyBytes>> {
         let i = c as usize;
         if i >= self.keys.len() {
-            self.keys.resize_with(i + 1, || None);
+            kvoffload_core::mem::resize_huge_with(&mut self.keys, i + 1, || None);
         }
         self.keys[i].replace(obj)
     }

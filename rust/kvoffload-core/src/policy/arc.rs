@@ -315,7 +315,7 @@ fn next_victim(
 impl CachePolicy for ArcPolicy {
     fn grow(&mut self, n: usize) {
         if n > self.info.len() {
-            self.info.resize(n, NO_INFO);
+            crate::mem::resize_huge(&mut self.info, n, NO_INFO);
             self.t1_evictable.grow(n);
             self.t2_evictable.grow(n);
             grow_nodes(&mut self.nodes, n);

@@ -47,7 +47,7 @@ impl FifoPolicy {
 impl CachePolicy for FifoPolicy {
     fn grow(&mut self, n: usize) {
         if n > self.resident.len() {
-            self.resident.resize(n, false);
+            crate::mem::resize_huge(&mut self.resident, n, false);
             self.order.grow(n);
         }
     }

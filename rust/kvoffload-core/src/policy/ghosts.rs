@@ -431,6 +431,8 @@ impl GhostLists {
                 .ok()
                 .filter(|&e| e < NIL - 1)
                 .expect("ghosts: more than 2^32 - 2 ghosts");
+            // The slab is read at random (ghost hits, pops): on huge pages once it is large.
+            crate::mem::reserve_huge(&mut self.entries, 1);
             self.entries.push(x);
             e
         } else {
@@ -514,7 +516,9 @@ impl GhostLists {
     fn grow_index(&mut self) {
         let len = self.index.len() * 2;
         assert!(len <= 1 << 32, "ghosts: an index of more than 2^32 words");
-        let old = std::mem::replace(&mut self.index, vec![0; len]);
+        let mut grown = Vec::new();
+        crate::mem::resize_huge(&mut grown, len, 0);
+        let old = std::mem::replace(&mut self.index, grown);
         self.shift -= 1;
         let mask = len - 1;
         for word in old.into_iter().filter(|&w| w != 0) {

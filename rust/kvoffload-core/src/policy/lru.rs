@@ -87,7 +87,7 @@ impl LruPolicy {
 impl CachePolicy for LruPolicy {
     fn grow(&mut self, n: usize) {
         if n > self.resident.len() {
-            self.resident.resize(n, false);
+            crate::mem::resize_huge(&mut self.resident, n, false);
             self.order.grow(n);
         }
     }

@@ -126,7 +126,7 @@ impl<K: OrderKey> SharedOrder<K> {
     /// Make room for chunk ids `0..n` (the nodes: [`grow_nodes`]).
     pub(crate) fn grow(&mut self, n: usize) {
         if n > self.place.len() {
-            self.place.resize(n, Place::Out);
+            crate::mem::resize_huge(&mut self.place, n, Place::Out);
         }
     }
 
@@ -619,7 +619,7 @@ pub(crate) fn grow_nodes<K: OrderKey>(nodes: &mut Vec<Node<K>>, n: usize) {
             next: NIL,
             prev: NIL,
         };
-        nodes.resize(n, blank);
+        crate::mem::resize_huge(nodes, n, blank);
     }
 }
 

@@ -48,11 +48,11 @@ impl<const N: usize> Queues<N> {
     /// Make room for chunk ids `0..n`.
     pub(crate) fn grow(&mut self, n: usize) {
         if n > self.queue.len() {
-            self.queue.resize(n, NONE);
-            self.parked.resize(n, false);
-            self.ready.resize(n, false);
-            self.newer.resize(n, NIL);
-            self.older.resize(n, NIL);
+            crate::mem::resize_huge(&mut self.queue, n, NONE);
+            crate::mem::resize_huge(&mut self.parked, n, false);
+            crate::mem::resize_huge(&mut self.ready, n, false);
+            crate::mem::resize_huge(&mut self.newer, n, NIL);
+            crate::mem::resize_huge(&mut self.older, n, NIL);
         }
     }
 

@@ -127,7 +127,7 @@ impl S3FifoPolicy {
 impl CachePolicy for S3FifoPolicy {
     fn grow(&mut self, n: usize) {
         if n > self.freq.len() {
-            self.freq.resize(n, 0);
+            crate::mem::resize_huge(&mut self.freq, n, 0);
             self.queues.grow(n);
         }
     }

@@ -120,12 +120,12 @@ impl SievePolicy {
 impl CachePolicy for SievePolicy {
     fn grow(&mut self, n: usize) {
         if n > self.place.len() {
-            self.place.resize(n, Where::Out);
-            self.visited.resize(n, false);
-            self.ready.resize(n, false);
-            self.newer.resize(n, NIL);
-            self.older.resize(n, NIL);
-            self.chosen.resize(n, 0);
+            crate::mem::resize_huge(&mut self.place, n, Where::Out);
+            crate::mem::resize_huge(&mut self.visited, n, false);
+            crate::mem::resize_huge(&mut self.ready, n, false);
+            crate::mem::resize_huge(&mut self.newer, n, NIL);
+            crate::mem::resize_huge(&mut self.older, n, NIL);
+            crate::mem::resize_huge(&mut self.chosen, n, 0);
         }
     }
 
