@@ -4,23 +4,40 @@ use smallvec::SmallVec;
 use std::hash::{BuildHasher, Hasher};
 
 /// Owned key bytes. A 32-byte hash plus the 4-byte group index fits inline (no allocation).
-pub type KeyBuf = SmallVec<[u8; 40]>;
+pub type KeyBuf = SmallVec<[u8; INLINE_BYTES]>;
 
-/// `key` as a [`KeyBuf`]. A key of 33-40 bytes (vLLM's are 36) is copied as its first 32 and
-/// last 8 bytes, two fixed-size copies, instead of by a `memcpy` call of its length.
+/// Key bytes held inline by a [`KeyBuf`] and by a request's seen keys (a 32-byte hash plus a
+/// 4-byte group index fits).
+pub const INLINE_BYTES: usize = 40;
+
+/// `key` in an [`INLINE_BYTES`]-byte buffer, zero after its end; `None` when it is longer. A
+/// key of 33-40 bytes (vLLM's are 36) is copied as its first 32 and last 8 bytes, two
+/// fixed-size copies, instead of by a `memcpy` call of its length.
+#[inline]
+#[must_use]
+pub fn inline_copy(key: &[u8]) -> Option<[u8; INLINE_BYTES]> {
+    let n = key.len();
+    if n > INLINE_BYTES {
+        return None;
+    }
+    let mut buf = [0u8; INLINE_BYTES];
+    if let (Some(head), Some(tail)) = (key.first_chunk::<32>(), key.last_chunk::<8>()) {
+        buf[..32].copy_from_slice(head);
+        buf[n - 8..n].copy_from_slice(tail);
+    } else {
+        buf[..n].copy_from_slice(key);
+    }
+    Some(buf)
+}
+
+/// `key` as a [`KeyBuf`] (inline up to [`INLINE_BYTES`] bytes, through [`inline_copy`]).
 #[inline]
 #[must_use]
 pub fn key_buf(key: &[u8]) -> KeyBuf {
-    let n = key.len();
-    if let (Some(head), Some(tail)) = (key.first_chunk::<32>(), key.last_chunk::<8>()) {
-        if n <= 40 {
-            let mut buf = [0u8; 40];
-            buf[..32].copy_from_slice(head);
-            buf[n - 8..n].copy_from_slice(tail);
-            return KeyBuf::from_buf_and_len(buf, n);
-        }
+    match inline_copy(key) {
+        Some(buf) => KeyBuf::from_buf_and_len(buf, key.len()),
+        None => KeyBuf::from_slice(key),
     }
-    KeyBuf::from_slice(key)
 }
 
 /// The hasher of the crate's hash maps keyed by key bytes ([`KeyBuf`]) or by numbers. A byte

@@ -10,6 +10,7 @@
 //! state goes away in a few frees, without reading its entries again: a finished request's
 //! context is dropped on the scheduler's thread, long after its entries left the cache.
 
+use crate::key::{inline_copy, INLINE_BYTES};
 use crate::policy::RequestRank;
 use crate::pool::ChunkId;
 use hashbrown::HashSet;
@@ -36,7 +37,7 @@ pub fn room_for(len: usize, n: usize) -> usize {
 }
 
 /// Key bytes a [`SeenKey`] holds inline (vLLM's keys, a 32-byte hash and a 4-byte group, fit).
-pub(crate) const SEEN_INLINE: usize = 40;
+pub(crate) const SEEN_INLINE: usize = INLINE_BYTES;
 
 /// A key the request saw and how it used it. Plain data: dropping it does nothing.
 #[derive(Debug, Clone, Copy)]
@@ -61,22 +62,12 @@ impl SeenKey {
     #[inline]
     fn new(key: &[u8], hash: u64, chunk: Option<ChunkId>, long: &mut Vec<u8>) -> Self {
         let n = key.len();
-        let mut bytes = [0u8; SEEN_INLINE];
-        if let (Some(head), Some(tail), true) = (
-            key.first_chunk::<32>(),
-            key.last_chunk::<8>(),
-            n <= SEEN_INLINE,
-        ) {
-            // 33-40 bytes (vLLM's keys are 36): two fixed-size copies instead of a `memcpy`
-            // call of the key's length.
-            bytes[..32].copy_from_slice(head);
-            bytes[n - 8..n].copy_from_slice(tail);
-        } else if n <= SEEN_INLINE {
-            bytes[..n].copy_from_slice(key);
-        } else {
-            bytes[..8].copy_from_slice(&(long.len() as u64).to_le_bytes());
+        let bytes = inline_copy(key).unwrap_or_else(|| {
+            let mut at = [0u8; SEEN_INLINE];
+            at[..8].copy_from_slice(&(long.len() as u64).to_le_bytes());
             long.extend_from_slice(key);
-        }
+            at
+        });
         Self {
             hash,
             bytes,
