@@ -425,14 +425,18 @@ impl GhostLists {
     }
 
     /// Store `x` in a vacant entry (or a new one); its number.
+    // Inlined into the pushes: out of line, a store measured 1.4% more instructions.
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     fn place(&mut self, x: Entry) -> u32 {
         if self.free == NIL {
             let e = u32::try_from(self.entries.len())
                 .ok()
                 .filter(|&e| e < NIL - 1)
                 .expect("ghosts: more than 2^32 - 2 ghosts");
-            // The slab is read at random (ghost hits, pops): on huge pages once it is large.
-            crate::mem::reserve_huge(&mut self.entries, 1);
+            if self.entries.len() == self.entries.capacity() {
+                self.grow_slab();
+            }
             self.entries.push(x);
             e
         } else {
@@ -441,6 +445,14 @@ impl GhostLists {
             self.entries[e as usize] = x;
             e
         }
+    }
+
+    /// Make room for more entries. The slab is read at random (ghost hits, pops): on huge
+    /// pages once it is large. Out of line: the pushes inline `place`, and growth is rare.
+    #[cold]
+    #[inline(never)]
+    fn grow_slab(&mut self) {
+        crate::mem::reserve_huge(&mut self.entries, 1);
     }
 
     /// Put unlinked entry `e` on the free list.
