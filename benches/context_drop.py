@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import vllm_oracle  # noqa: E402
 
 import kvoffload  # noqa: E402
+import vllm_step  # noqa: E402
 from kvoffload import reference  # noqa: E402
 
 #: Bytes written to push the managers' state out of the CPU caches before the drops.
@@ -53,12 +54,7 @@ def managers(policy: str, chunks: int) -> dict[str, tuple[Callable[[], Any], Cal
     }
     if vllm_oracle.unavailable_reason() is None:
         oracle = vllm_oracle.load()
-
-        def make() -> Any:
-            extra = {"eviction_policy": policy}
-            config = vllm_oracle.offloading_config(oracle, chunks, extra, False)
-            return oracle.factory.OffloadingSpecFactory.create_spec(config).get_manager()
-
+        make = vllm_step.build(oracle, chunks, vllm_step.extra_configs(policy)["vllm"], False)
         out["vllm"] = (make, oracle.ReqContext)
     return out
 
