@@ -522,9 +522,8 @@ impl CachePolicy for ArcPolicy {
         self.info[i].evictable = true;
         let l = self.info[i].list;
         if l != List::None {
-            let seq = last_key(&self.nodes, chunk);
             let (order, nodes) = self.order_of_mut(l);
-            order.release(nodes, chunk, seq);
+            order.release_in_place(nodes, chunk);
         }
     }
 

@@ -220,7 +220,7 @@ impl CachePolicy for LruPolicy {
 
     fn mark_evictable(&mut self, chunk: ChunkId) {
         debug_assert!(self.resident[chunk as usize] && !self.order.contains(chunk));
-        self.order.release(chunk, self.order.last_key(chunk));
+        self.order.release_in_place(chunk);
     }
 
     fn mark_non_evictable(&mut self, chunk: ChunkId) {

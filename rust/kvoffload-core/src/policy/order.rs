@@ -487,6 +487,26 @@ impl<K: OrderKey> SharedOrder<K> {
         self.len += 1;
     }
 
+    /// [`release`](Self::release) of `c` at the key it has ([`last_key`]). A chunk held in
+    /// place is released reading its place alone, not its node (in a large pool the node is
+    /// another miss); a detached one is inserted anew at that key.
+    pub(crate) fn release_in_place(&mut self, nodes: &mut [Node<K>], c: ChunkId) {
+        let i = c as usize;
+        let place = match self.place[i] {
+            Place::ListHeld => Place::List,
+            Place::TreeHeld => Place::Tree,
+            Place::RunHeld => Place::Run,
+            _ => {
+                let k = nodes[i].key;
+                self.remove(nodes, c);
+                self.insert(nodes, c, k);
+                return;
+            }
+        };
+        self.place[i] = place;
+        self.len += 1;
+    }
+
     /// Members in ascending `(key, chunk)` order. Held entries met on the way are appended to
     /// `held`; pass them to [`remove`](Self::remove) once the scan is over.
     pub(crate) fn iter<'a>(
@@ -720,6 +740,11 @@ impl<K: OrderKey> EvictionOrder<K> {
     /// See [`SharedOrder::release`].
     pub(crate) fn release(&mut self, c: ChunkId, k: K) {
         self.order.release(&mut self.nodes, c, k);
+    }
+
+    /// See [`SharedOrder::release_in_place`].
+    pub(crate) fn release_in_place(&mut self, c: ChunkId) {
+        self.order.release_in_place(&mut self.nodes, c);
     }
 
     /// See [`SharedOrder::iter`].
@@ -1029,6 +1054,53 @@ mod tests {
             o.iter(&mut Vec::new()).collect::<Vec<_>>(),
             vec![(5, 3), (10, 1), (20, 2), (25, 0)]
         );
+        o.validate().unwrap();
+    }
+
+    #[test]
+    fn release_in_place_restores_a_held_entry_and_reinserts_a_detached_one() {
+        let mut o: EvictionOrder<(u64, i64)> = EvictionOrder::new();
+        o.grow(6);
+        o.insert(0, (1, 0)); // the list
+        o.insert(1, (2, 0));
+        o.insert(2, (3, 0));
+        o.insert(3, (1, -16)); // group 1's run
+        o.insert(4, (1, -32));
+        o.insert(5, (1, -20)); // inside the run: the tree
+        let places = |o: &EvictionOrder<(u64, i64)>| o.order.place[..6].to_vec();
+        let before = places(&o);
+        assert_eq!(
+            &before[1..],
+            [
+                Place::List,
+                Place::List,
+                Place::Run,
+                Place::Run,
+                Place::Tree
+            ]
+        );
+        for c in [1, 3, 5] {
+            o.hold(c);
+        }
+        o.validate().unwrap();
+        for c in [1, 3, 5] {
+            o.release_in_place(c); // back where each was, at its own key, in O(1)
+        }
+        assert_eq!((places(&o), o.len()), (before, 6));
+        o.validate().unwrap();
+        let all = |o: &EvictionOrder<(u64, i64)>| {
+            o.iter(&mut Vec::new()).map(|(_, c)| c).collect::<Vec<_>>()
+        };
+        assert_eq!(all(&o), vec![4, 5, 3, 0, 1, 2]);
+        // Detached by a scan: inserted anew, at the key it had.
+        o.hold(0);
+        let mut held = Vec::new();
+        assert_eq!(o.iter(&mut held).count(), 5);
+        for c in held {
+            o.remove(c);
+        }
+        o.release_in_place(0);
+        assert_eq!((all(&o), o.last_key(0)), (vec![4, 5, 3, 0, 1, 2], (1, 0)));
         o.validate().unwrap();
     }
 
