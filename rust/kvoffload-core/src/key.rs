@@ -10,24 +10,34 @@ pub type KeyBuf = SmallVec<[u8; INLINE_BYTES]>;
 /// 4-byte group index fits).
 pub const INLINE_BYTES: usize = 40;
 
-/// `key` in an [`INLINE_BYTES`]-byte buffer, zero after its end; `None` when it is longer. A
-/// key of 33-40 bytes (vLLM's are 36) is copied as its first 32 and last 8 bytes, two
-/// fixed-size copies, instead of by a `memcpy` call of its length.
+/// `key` in an [`INLINE_BYTES`]-byte buffer, zero after its end; `None` when it is longer
+/// ([`copy_inline`]).
 #[inline]
 #[must_use]
 pub fn inline_copy(key: &[u8]) -> Option<[u8; INLINE_BYTES]> {
+    let mut buf = [0u8; INLINE_BYTES];
+    copy_inline(&mut buf, key).then_some(buf)
+}
+
+/// Copy `key` into `dst`, whose bytes after the key's end must be zero; `false` (nothing
+/// written) when it is longer. A key of 33-40 bytes (vLLM's are 36) is copied as its first 32
+/// and last 8 bytes, two fixed-size copies, instead of by a `memcpy` call of its length.
+/// Writing straight into the entry that keeps the key matters: an array built on the stack
+/// and then copied is read back across the smaller writes that made it, and such a read
+/// waits for them to reach the cache (a store-forwarding stall, several per key).
+#[inline]
+pub fn copy_inline(dst: &mut [u8; INLINE_BYTES], key: &[u8]) -> bool {
     let n = key.len();
     if n > INLINE_BYTES {
-        return None;
+        return false;
     }
-    let mut buf = [0u8; INLINE_BYTES];
     if let (Some(head), Some(tail)) = (key.first_chunk::<32>(), key.last_chunk::<8>()) {
-        buf[..32].copy_from_slice(head);
-        buf[n - 8..n].copy_from_slice(tail);
+        dst[..32].copy_from_slice(head);
+        dst[n - 8..n].copy_from_slice(tail);
     } else {
-        buf[..n].copy_from_slice(key);
+        dst[..n].copy_from_slice(key);
     }
-    Some(buf)
+    true
 }
 
 /// `key` as a [`KeyBuf`] (inline up to [`INLINE_BYTES`] bytes, through [`inline_copy`]).

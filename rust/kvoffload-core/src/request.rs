@@ -10,7 +10,7 @@
 //! state goes away in a few frees, without reading its entries again: a finished request's
 //! context is dropped on the scheduler's thread, long after its entries left the cache.
 
-use crate::key::{inline_copy, INLINE_BYTES};
+use crate::key::{copy_inline, INLINE_BYTES};
 use crate::policy::RequestRank;
 use crate::pool::ChunkId;
 use hashbrown::HashSet;
@@ -57,24 +57,31 @@ pub(crate) struct SeenKey {
 }
 
 impl SeenKey {
-    /// A key just seen, with no flags, at `chunk` if resident; a long key's bytes are appended
-    /// to `long`.
-    #[inline]
-    fn new(key: &[u8], hash: u64, chunk: Option<ChunkId>, long: &mut Vec<u8>) -> Self {
+    /// Append to `seen` a key just seen, with no flags, at `chunk` if resident; a long key's
+    /// bytes are appended to `long`. The key's bytes are written into the entry in place (see
+    /// [`copy_inline`]), not built beside it and copied in.
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
+    fn push(
+        seen: &mut Vec<SeenKey>,
+        key: &[u8],
+        hash: u64,
+        chunk: Option<ChunkId>,
+        long: &mut Vec<u8>,
+    ) {
         let n = key.len();
-        let bytes = inline_copy(key).unwrap_or_else(|| {
-            let mut at = [0u8; SEEN_INLINE];
-            at[..8].copy_from_slice(&(long.len() as u64).to_le_bytes());
-            long.extend_from_slice(key);
-            at
-        });
-        Self {
+        seen.push(Self {
             hash,
-            bytes,
+            bytes: [0; SEEN_INLINE],
             // The manager records only keys it could look up or store: under 4 GiB.
             len: u32::try_from(n).unwrap_or(u32::MAX),
             chunk: chunk.unwrap_or(NO_CHUNK),
             flags: 0,
+        });
+        let Some(s) = seen.last_mut() else { return };
+        if !copy_inline(&mut s.bytes, key) {
+            s.bytes[..8].copy_from_slice(&(long.len() as u64).to_le_bytes());
+            long.extend_from_slice(key);
         }
     }
 
@@ -210,8 +217,7 @@ impl RequestState {
             Ok(at) | Err(at) => at,
         };
         self.table.put(at, hash, i);
-        self.seen
-            .push(SeenKey::new(key, hash, chunk, &mut self.long));
+        SeenKey::push(&mut self.seen, key, hash, chunk, &mut self.long);
         i
     }
 
@@ -231,8 +237,7 @@ impl RequestState {
             Err(at) => {
                 let i = self.seen.len();
                 self.table.put(at, hash, i);
-                self.seen
-                    .push(SeenKey::new(key, hash, chunk, &mut self.long));
+                SeenKey::push(&mut self.seen, key, hash, chunk, &mut self.long);
                 (i, true)
             }
         }
