@@ -833,6 +833,10 @@ enum Source {
 impl<K: OrderKey> Iterator for Iter<'_, K> {
     type Item = (K, ChunkId);
 
+    // Inlined into the eviction scans: out of line, its result went back through memory, and
+    // the caller's wider reads of it waited on the narrower writes (store-forwarding stalls).
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     fn next(&mut self) -> Option<(K, ChunkId)> {
         loop {
             let (k, c) = self.next_entry()?;
