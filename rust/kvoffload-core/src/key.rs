@@ -10,15 +10,6 @@ pub type KeyBuf = SmallVec<[u8; INLINE_BYTES]>;
 /// 4-byte group index fits).
 pub const INLINE_BYTES: usize = 40;
 
-/// `key` in an [`INLINE_BYTES`]-byte buffer, zero after its end; `None` when it is longer
-/// ([`copy_inline`]).
-#[inline]
-#[must_use]
-pub fn inline_copy(key: &[u8]) -> Option<[u8; INLINE_BYTES]> {
-    let mut buf = [0u8; INLINE_BYTES];
-    copy_inline(&mut buf, key).then_some(buf)
-}
-
 /// Copy `key` into `dst`, whose bytes after the key's end must be zero; `false` (nothing
 /// written) when it is longer. A key of 33-40 bytes (vLLM's are 36) is copied as its first 32
 /// and last 8 bytes, two fixed-size copies, instead of by a `memcpy` call of its length.
@@ -40,13 +31,15 @@ pub fn copy_inline(dst: &mut [u8; INLINE_BYTES], key: &[u8]) -> bool {
     true
 }
 
-/// `key` as a [`KeyBuf`] (inline up to [`INLINE_BYTES`] bytes, through [`inline_copy`]).
+/// `key` as a [`KeyBuf`] (inline up to [`INLINE_BYTES`] bytes, through [`copy_inline`]).
 #[inline]
 #[must_use]
 pub fn key_buf(key: &[u8]) -> KeyBuf {
-    match inline_copy(key) {
-        Some(buf) => KeyBuf::from_buf_and_len(buf, key.len()),
-        None => KeyBuf::from_slice(key),
+    let mut buf = [0u8; INLINE_BYTES];
+    if copy_inline(&mut buf, key) {
+        KeyBuf::from_buf_and_len(buf, key.len())
+    } else {
+        KeyBuf::from_slice(key)
     }
 }
 

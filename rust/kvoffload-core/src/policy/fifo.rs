@@ -102,7 +102,7 @@ impl CachePolicy for FifoPolicy {
     }
 
     fn mark_evictable(&mut self, chunk: ChunkId) {
-        self.order.release(chunk, self.order.last_key(chunk));
+        self.order.release_in_place(chunk);
     }
 
     fn mark_non_evictable(&mut self, chunk: ChunkId) {

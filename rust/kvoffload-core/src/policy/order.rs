@@ -471,40 +471,50 @@ impl<K: OrderKey> SharedOrder<K> {
         self.place[i] = if held { Place::ListHeld } else { Place::List };
     }
 
-    /// Make `c` a member again with sort key `k`: in O(1) if it is still held at `k`.
+    /// Make `c` a member again with sort key `k`: in O(1) if it is still held at `k`. (The
+    /// policies release at a chunk's own key, [`release_in_place`](Self::release_in_place);
+    /// the tests also release at others.)
+    #[cfg(test)]
     pub(crate) fn release(&mut self, nodes: &mut [Node<K>], c: ChunkId, k: K) {
-        let i = c as usize;
-        match self.place[i] {
-            Place::ListHeld if nodes[i].key == k => self.place[i] = Place::List,
-            Place::TreeHeld if nodes[i].key == k => self.place[i] = Place::Tree,
-            Place::RunHeld if nodes[i].key == k => self.place[i] = Place::Run,
-            _ => {
-                self.remove(nodes, c);
-                self.insert(nodes, c, k);
-                return;
-            }
+        if !(nodes[c as usize].key == k && self.unhold(c)) {
+            self.remove(nodes, c);
+            self.insert(nodes, c, k);
         }
-        self.len += 1;
     }
 
-    /// [`release`](Self::release) of `c` at the key it has ([`last_key`]). A chunk held in
-    /// place is released reading its place alone, not its node (in a large pool the node is
-    /// another miss); a detached one is inserted anew at that key.
+    /// Make `c` a member again at the key it has ([`last_key`]). A chunk held in place is
+    /// released reading its place alone, not its node (in a large pool the node is another
+    /// miss); a detached one is inserted anew at that key.
+    // Inlined into the policies' releases (a pin's release is one place update), the rare
+    // reinsertion left out of line.
+    #[inline]
     pub(crate) fn release_in_place(&mut self, nodes: &mut [Node<K>], c: ChunkId) {
-        let i = c as usize;
-        let place = match self.place[i] {
+        if !self.unhold(c) {
+            self.reinsert(nodes, c);
+        }
+    }
+
+    /// Insert `c`, detached, anew at the key it has.
+    #[inline(never)]
+    fn reinsert(&mut self, nodes: &mut [Node<K>], c: ChunkId) {
+        let k = nodes[c as usize].key;
+        self.remove(nodes, c);
+        self.insert(nodes, c, k);
+    }
+
+    /// A held `c` a member again where it is held (the inverse of [`hold`](Self::hold));
+    /// `false`, changing nothing, if `c` is not held.
+    #[inline]
+    fn unhold(&mut self, c: ChunkId) -> bool {
+        let p = &mut self.place[c as usize];
+        *p = match *p {
             Place::ListHeld => Place::List,
             Place::TreeHeld => Place::Tree,
             Place::RunHeld => Place::Run,
-            _ => {
-                let k = nodes[i].key;
-                self.remove(nodes, c);
-                self.insert(nodes, c, k);
-                return;
-            }
+            _ => return false,
         };
-        self.place[i] = place;
         self.len += 1;
+        true
     }
 
     /// Members in ascending `(key, chunk)` order. Held entries met on the way are appended to
@@ -738,6 +748,7 @@ impl<K: OrderKey> EvictionOrder<K> {
     }
 
     /// See [`SharedOrder::release`].
+    #[cfg(test)]
     pub(crate) fn release(&mut self, c: ChunkId, k: K) {
         self.order.release(&mut self.nodes, c, k);
     }
