@@ -855,6 +855,11 @@ impl ManagerCore {
                 if let Ok(chunks) = &chunks {
                     for (&addr, &c) in addrs.iter().zip(chunks) {
                         m.memo.put(addr, c);
+                        // `complete_load` reads the chunk's kept object to vouch for the
+                        // guess: fetched now, it has arrived by then.
+                        if let Some(kept) = m.keys.get(c as usize) {
+                            kvoffload_core::mem::prefetch(kept);
+                        }
                     }
                 }
                 (chunks, mark, s.last_added().iter().copied().collect())
