@@ -461,8 +461,8 @@ impl ChunkTable {
         let mut hits = 0;
         // Batches of 32: every bucket of a batch is requested before the first is read.
         for batch in keys.chunks(32) {
-            let hashes: SmallVec<[u64; 32]> = batch.iter().map(|k| hash_key(k)).collect();
-            self.prefetch_batch(&hashes);
+            let hashes = self.hash_batch(batch);
+            self.prefetch_slots(&hashes);
             for (k, &h) in batch.iter().zip(&hashes) {
                 match self.probe(k, h) {
                     Probe::Ready => hits += 1,
@@ -474,14 +474,27 @@ impl ChunkTable {
         Some(hits)
     }
 
-    /// Start loading every bucket of a batch, then the first slot of each: the cache misses of
-    /// the batch overlap instead of queueing.
-    fn prefetch_batch(&self, hashes: &[u64]) {
+    /// The hashes of a batch of keys, each key's bucket requested as soon as its hash is
+    /// known: the buckets' cache misses overlap with each other and with the hashing of the
+    /// keys after them.
+    fn hash_batch(&self, keys: &[&[u8]]) -> SmallVec<[u64; 32]> {
+        keys.iter()
+            .map(|k| {
+                let h = hash_key(k);
+                if keys.len() > 1 {
+                    prefetch(&self.buckets[self.bucket(h)]);
+                }
+                h
+            })
+            .collect()
+    }
+
+    /// Start loading the first slot of each key of a batch whose buckets were requested
+    /// ([`hash_batch`](Self::hash_batch)): the cache misses of the batch overlap instead of
+    /// queueing.
+    fn prefetch_slots(&self, hashes: &[u64]) {
         if hashes.len() < 2 {
             return;
-        }
-        for &h in hashes {
-            prefetch(&self.buckets[self.bucket(h)]);
         }
         for &h in hashes {
             if let Some(slot) = self.candidate(h).and_then(|c| self.slots.get(c as usize)) {
@@ -524,8 +537,8 @@ impl ChunkTable {
     /// [`release`](Self::release) once counted in and clear of an exclusive writer.
     fn release_counted(&self, keys: &[&[u8]]) -> Release {
         let mut taken: SmallVec<[(ChunkId, bool); 32]> = SmallVec::with_capacity(keys.len());
-        let hashes: SmallVec<[u64; 32]> = keys.iter().map(|k| hash_key(k)).collect();
-        self.prefetch_batch(&hashes);
+        let hashes = self.hash_batch(keys);
+        self.prefetch_slots(&hashes);
         for (k, &hash) in keys.iter().zip(&hashes) {
             let Found::At(c, mut w) = self.find_word(k, hash) else {
                 self.undo_releases(&taken);
