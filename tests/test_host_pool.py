@@ -182,6 +182,17 @@ def test_dtypes_numpy_deprecates_are_refused_without_a_warning(dtype: Any) -> No
         assert pool.chunk(1, dtype="S1").dtype == np.dtype("S1")
 
 
+@pytest.mark.parametrize("dtype", [",", b",", "f4,,"])
+def test_dtype_strings_numpy_cannot_parse_are_refused(dtype: Any) -> None:
+    """Found by hypothesis: ``b","`` made numpy's comma-string parser raise SyntaxError, from
+    outside kvoffload's tree."""
+    with HostPool(4, 96, register_cuda=False) as pool:
+        with pytest.raises(InvalidArgumentError, match="not a numpy dtype"):
+            pool.chunk(1, dtype=dtype)
+        with pytest.raises(InvalidArgumentError, match="not a numpy dtype"):
+            pool.typed_view(dtype, (4,))
+
+
 def test_dropping_the_pool_keeps_a_live_view_valid() -> None:
     pool = HostPool(64, 4096, register_cuda=False)
     view = pool.typed_view(np.uint32, (1024,))

@@ -106,7 +106,9 @@ def _dtype(dtype: object) -> np.dtype[Any]:
         raise InvalidArgumentError(f"not a numpy dtype: {dtype!r} (numpy deprecates 'a': use 'S')")
     try:
         return np.dtype(dtype)  # type: ignore[call-overload,no-any-return]
-    except (TypeError, ValueError) as e:
+    except Exception as e:
+        # Not only TypeError and ValueError: numpy parses a comma-separated string with
+        # `ast.literal_eval`, so `","` raises SyntaxError from numpy's parser.
         raise InvalidArgumentError(f"not a numpy dtype: {dtype!r} ({e})") from e
 
 
