@@ -364,9 +364,8 @@ impl Manager {
 
     /// Each key's hash, its index bucket requested as soon as the hash is known: the buckets'
     /// cache misses overlap with each other and with the hashing of the keys after them (at
-    /// 10^6 chunks, load 10% faster than hashing every key first and then requesting the
-    /// buckets). [`resolve`](Self::resolve) requests them again, at no cost once they are in
-    /// flight.
+    /// 10^6 chunks, load measured 3-6% faster than with every key hashed before the first
+    /// bucket was requested). [`resolve`](Self::resolve) relies on it.
     fn hash_keys(&self, keys: &[&[u8]]) -> Scratch<u64> {
         keys.iter()
             .map(|k| {

@@ -304,12 +304,15 @@ mod tests {
                 "new elements made in order at n = {n}"
             );
         }
-        // A huge growth into memory the heap had handed out before (dirty, and dropped from
-        // the new buffer before use): every element is what was written, none stale.
-        let dirty = vec![0xabu8; 24 << 20];
-        drop(dirty);
+        // A huge growth into memory the heap may have handed out before (written, freed, then
+        // dropped from the new buffer before use): every element is what was written, none
+        // stale. (The first free raises glibc's mmap threshold, so the second block, and then
+        // the grown vector, come from the heap.)
+        for _ in 0..2 {
+            drop(vec![0xabu8; 6 << 20]);
+        }
         let mut w: Vec<u64> = vec![1; 1 << 10];
-        resize_huge(&mut w, 3 << 20, 7);
+        resize_huge(&mut w, 5 << 17, 7);
         assert!(w[..1 << 10].iter().all(|&x| x == 1) && w[1 << 10..].iter().all(|&x| x == 7));
         let mut flags = vec![true; 3];
         resize_huge(&mut flags, 3_000_000, false);
