@@ -7,11 +7,12 @@
 //!   and the key's first [`INLINE_KEY`] bytes (longer keys keep the rest with the writer).
 //! - One 32-byte bucket per two slots (a power of two, at least 16): three entries, each the
 //!   high 32 bits of a key's hash (its tag) above its slot id, and the head of an overflow
-//!   chain. A lookup reads the bucket, then only the slot whose tag matches: two cache misses,
-//!   both prefetched for a batch. Entries never move; a key that finds its bucket's entries
-//!   taken joins the chain, which runs through slot ids (a resident key occupies exactly one
-//!   slot, so the chain needs no nodes of its own). A full pool loads a bucket with 1 to 2 keys,
-//!   so 2-14% of keys overflow. The index never grows.
+//!   chain with a 32-bit summary of its keys' hashes. A lookup reads the bucket, then only the
+//!   slot whose tag matches: two cache misses, both prefetched for a batch; an absent key walks
+//!   the chain only if its bit is in the summary. Entries never move; a key that finds its
+//!   bucket's entries taken joins the chain, which runs through slot ids (a resident key
+//!   occupies exactly one slot, so the chain needs no nodes of its own). A full pool loads a
+//!   bucket with 1 to 2 keys, so 2-14% of keys overflow. The index never grows.
 //! - A stack of slots whose last pin a lock-free completion released (see below).
 //!
 //! Arrays are zero-filled anonymous mappings: a pool of 10^7 chunks costs memory only for the
@@ -191,6 +192,12 @@ fn entry_tag_matches(e: u64, hash: u64) -> bool {
     e != 0 && (e ^ hash) >> 32 == 0
 }
 
+/// A key's bit in its bucket's chain summary ([`Bucket::chained`]): one of 32, chosen by the
+/// hash's top 5 bits (the bucket is chosen by its low bits).
+fn chain_bit(hash: u64) -> u32 {
+    1 << (hash >> 59)
+}
+
 /// One bucket: a few keys' tags and slots inline, readable in one cache access, and the head of
 /// a chain through the slots for the rest (see the module docs). Entries never move: a key
 /// stays where it was put until it is removed.
@@ -199,6 +206,11 @@ pub(crate) struct Bucket {
     entries: [AtomicU64; ENTRIES],
     /// The first slot of the overflow chain, plus one (0: none).
     head: AtomicU32,
+    /// A summary of the chain: at least the [`chain_bit`] of every key in it. An absent key
+    /// whose bit is clear skips the walk (about one bucket in seven has a chain, and its slots
+    /// are random cache misses). Bits are set before a key is linked; the writer clears the
+    /// bits of keys gone when it walks the whole chain anyway.
+    chained: AtomicU32,
 }
 
 // SAFETY: atomics only, valid as zero bytes and without drop; under loom built by `zero()`.
@@ -207,6 +219,7 @@ unsafe impl Zeroable for Bucket {
         Self {
             entries: std::array::from_fn(|_| AtomicU64::zero()),
             head: AtomicU32::zero(),
+            chained: AtomicU32::zero(),
         }
     }
 }
@@ -417,6 +430,12 @@ impl ChunkTable {
                 }
             }
             let mut link = bucket.head.load(Ordering::Acquire);
+            // Read after the head: the summary then covers every key the walk from this head
+            // could reach, unless the writer has since cleared the bit of a key that left
+            // (absent at that moment, so "absent" is an answer the table held).
+            if link != 0 && bucket.chained.load(Ordering::Acquire) & chain_bit(hash) == 0 {
+                return Found::Absent;
+            }
             // A chain never holds more slots than the table: more steps mean a concurrent
             // writer moved slots under this reader.
             let mut steps = 0usize;
@@ -514,7 +533,11 @@ impl ChunkTable {
             .map(|e| e.load(Ordering::Relaxed))
             .find(|&e| entry_tag_matches(e, hash))
             .and_then(entry_slot)
-            .or_else(|| bucket.head.load(Ordering::Relaxed).checked_sub(1))
+            .or_else(|| {
+                let head = bucket.head.load(Ordering::Relaxed);
+                let maybe = bucket.chained.load(Ordering::Relaxed) & chain_bit(hash) != 0;
+                head.checked_sub(1).filter(|_| maybe)
+            })
     }
 
     /// Drop one pin per key (a key listed twice drops two), lock-free; see the module docs.
@@ -781,12 +804,23 @@ impl Slots {
             }
         }
         let mut link = bucket.head.load(Ordering::Relaxed);
+        let summary = bucket.chained.load(Ordering::Relaxed);
+        if link == 0 || summary & chain_bit(hash) == 0 {
+            return None;
+        }
+        // The whole chain is walked for an absent key: its summary is made exact on the way.
+        let mut bits = 0;
         while link != 0 {
             let c = link - 1;
             if self.holds(c, key, hash) {
                 return Some(c);
             }
-            link = self.slot(c).next.load(Ordering::Relaxed);
+            let slot = self.slot(c);
+            bits |= chain_bit(slot.hash.load(Ordering::Relaxed));
+            link = slot.next.load(Ordering::Relaxed);
+        }
+        if bits != summary {
+            bucket.chained.store(bits, Ordering::Release);
         }
         None
     }
@@ -924,6 +958,12 @@ impl Slots {
             if free.is_some() {
                 0
             } else {
+                // The key's bit goes into the summary before the key is linked (see
+                // `ChunkTable::find_word`).
+                let bits = bucket.chained.load(Ordering::Relaxed);
+                bucket
+                    .chained
+                    .store(bits | chain_bit(hash), Ordering::Relaxed);
                 head.load(Ordering::Relaxed)
             },
             Ordering::Relaxed,
@@ -972,6 +1012,8 @@ impl Slots {
         if let Some(e) = inline {
             e.store(0, Ordering::Release);
         } else {
+            // The bits of the slots before `c`: the whole chain's once `c`, its last, is gone.
+            let mut bits = 0;
             loop {
                 let l = link.load(Ordering::Relaxed);
                 if l == 0 {
@@ -980,9 +1022,14 @@ impl Slots {
                 }
                 if l == c + 1 {
                     link.store(next, Ordering::Release);
+                    if next == 0 {
+                        bucket.chained.store(bits, Ordering::Release);
+                    }
                     break;
                 }
-                link = &t.slots[l as usize - 1].next;
+                let before = &t.slots[l as usize - 1];
+                bits |= chain_bit(before.hash.load(Ordering::Relaxed));
+                link = &before.next;
             }
         }
         if slot.len.load(Ordering::Relaxed) as usize > INLINE_KEY {
@@ -1009,6 +1056,7 @@ impl Slots {
             }
             if b.head.load(Ordering::Relaxed) != 0 {
                 b.head.store(0, Ordering::Release);
+                b.chained.store(0, Ordering::Release);
             }
         }
         self.long.clear();
@@ -1259,6 +1307,18 @@ impl Slots {
             self.num_evictable,
             self.len
         );
+        self.validate_index()?;
+        ensure!(
+            self.long.len() <= self.len,
+            "table: long keys of absent slots kept"
+        );
+        Ok(())
+    }
+
+    /// Check that the buckets' entries and chains name every resident slot once, in its own
+    /// bucket, and that each chain's summary covers its keys.
+    fn validate_index(&self) -> Result<()> {
+        let t = &*self.table;
         let mut chained = 0;
         for (b, bucket) in t.buckets.iter().enumerate() {
             for e in &bucket.entries {
@@ -1281,11 +1341,20 @@ impl Slots {
                 chained += 1;
             }
             let mut link = bucket.head.load(Ordering::Acquire);
+            let summary = bucket.chained.load(Ordering::Acquire);
+            ensure!(
+                link != 0 || summary == 0,
+                "table: bucket {b} has no chain but a summary"
+            );
             while link != 0 {
                 let c = link - 1;
                 ensure!(
                     (c as usize) < self.used,
                     "table: chain of bucket {b} leaves the slots"
+                );
+                ensure!(
+                    summary & chain_bit(self.hash(c)) != 0,
+                    "table: slot {c} chained in bucket {b} but missing from its summary"
                 );
                 ensure!(self.resident(c), "table: absent slot {c} still chained");
                 ensure!(
@@ -1304,10 +1373,6 @@ impl Slots {
             chained == self.len,
             "table: {chained} slots chained for {} resident",
             self.len
-        );
-        ensure!(
-            self.long.len() <= self.len,
-            "table: long keys of absent slots kept"
         );
         Ok(())
     }
@@ -1335,6 +1400,14 @@ pub fn colliding_keys(b: u64, n: usize) -> Vec<Vec<u8>> {
         .filter(|k| hash_key(k) % 64 == b)
         .take(n)
         .collect()
+}
+
+/// Whether two keys share a bit of their bucket's chain summary: for the loom models.
+#[cfg(any(test, loom))]
+#[doc(hidden)]
+#[must_use]
+pub fn same_chain_bit(a: &[u8], b: &[u8]) -> bool {
+    chain_bit(hash_key(a)) == chain_bit(hash_key(b))
 }
 
 #[cfg(all(test, not(loom)))]
@@ -1402,6 +1475,81 @@ mod tests {
         assert_eq!((t.len(), t.num_evictable()), (1, 1));
         t.insert(0, &ks[4], h(&ks[4]));
         assert_eq!(shared.probe(&ks[4], h(&ks[4])), Probe::Pending);
+        t.validate().unwrap();
+    }
+
+    /// The chain summary: an absent key whose bit is clear is answered without a walk (and
+    /// gets no candidate); a key that leaves the middle of the chain keeps its bit until the
+    /// writer walks the whole chain for an absent key, or leaves the tail; an empty chain has an
+    /// empty summary.
+    #[test]
+    fn the_chain_summary_covers_the_chain_and_is_made_exact_by_walks() {
+        let mut t = table(16);
+        let b = 5;
+        let bit = |k: &[u8]| chain_bit(hash_key(k));
+        // Keys of one bucket: three for the entries, then three chained with distinct bits.
+        let all = colliding_keys(b, 400);
+        let mut chain: Vec<&Vec<u8>> = Vec::new();
+        for k in &all[ENTRIES..] {
+            if chain.iter().all(|c| bit(c) != bit(k)) {
+                chain.push(k);
+            }
+        }
+        let (chain, spare) = chain.split_at(3);
+        let other = |than: &[u8]| {
+            all.iter()
+                .find(|k| bit(k) == bit(than) && **k != than && !chain.contains(k))
+                .unwrap()
+        };
+        let keys: Vec<&[u8]> = all[..ENTRIES]
+            .iter()
+            .map(Vec::as_slice)
+            .chain(chain.iter().map(|k| k.as_slice()))
+            .collect();
+        for (c, k) in keys.iter().enumerate() {
+            put(&mut t, c as ChunkId, k);
+        }
+        t.validate().unwrap();
+        let summary = |t: &Slots| t.table.buckets[b as usize].chained.load(Ordering::Relaxed);
+        let want: u32 = chain.iter().map(|k| bit(k)).fold(0, |a, x| a | x);
+        assert_eq!(summary(&t), want);
+        let shared = t.shared();
+        let h = |k: &[u8]| hash_key(k);
+        // An absent key of the bucket whose bit no chained key has.
+        let outside = spare[0];
+        assert_eq!(t.find(outside, h(outside)), None);
+        assert_eq!(t.candidate(h(outside)), None);
+        assert_eq!(shared.probe(outside, h(outside)), Probe::Miss);
+        // One that shares a chained key's bit walks the chain and is still absent.
+        let twin = other(chain[1]);
+        assert_eq!(t.find(twin, h(twin)), None);
+        assert_eq!(shared.probe(twin, h(twin)), Probe::Miss);
+        // The chain runs newest first: chain[2] -> chain[1] -> chain[0]. The middle leaves,
+        // keeping its bit, until a walk for an absent key makes the summary exact.
+        let c1 = (ENTRIES + 1) as ChunkId;
+        assert_eq!(t.remove(c1).as_slice(), chain[1].as_slice());
+        assert_eq!(summary(&t), want);
+        t.validate().unwrap();
+        assert!(t.candidate(h(twin)).is_some());
+        assert_eq!(t.find(twin, h(twin)), None);
+        assert_eq!(summary(&t), want & !bit(chain[1]));
+        assert_eq!(t.candidate(h(twin)), None);
+        assert_eq!(shared.probe(chain[1], h(chain[1])), Probe::Miss);
+        // The tail leaves: exact at once.
+        let c0 = ENTRIES as ChunkId;
+        t.remove(c0);
+        assert_eq!(summary(&t), bit(chain[2]));
+        assert_eq!(shared.probe(chain[2], h(chain[2])), Probe::Ready);
+        t.validate().unwrap();
+        // The last one leaves: empty.
+        t.remove(c0 + 2);
+        assert_eq!(summary(&t), 0);
+        t.validate().unwrap();
+        // Chained again, then cleared.
+        put(&mut t, c0, chain[0]);
+        assert_eq!(summary(&t), bit(chain[0]));
+        t.clear();
+        assert_eq!(summary(&t), 0);
         t.validate().unwrap();
     }
 

@@ -8,7 +8,7 @@
 //! preemptions per execution.
 #![cfg(loom)]
 
-use kvoffload_core::table::colliding_keys;
+use kvoffload_core::table::{colliding_keys, same_chain_bit};
 use kvoffload_core::{hash_key, ChunkState, Probe, Release, Slots};
 use loom::thread;
 
@@ -75,6 +75,38 @@ fn a_reader_passing_an_entry_that_is_emptied_and_refilled_finds_the_chained_key(
 #[test]
 fn a_reader_passing_an_entry_whose_slot_moved_to_another_bucket_finds_the_chained_key() {
     reader_during_rebuild(0, 1);
+}
+
+/// Bucket 0 holds `x` in its one entry (under loom) and the chain `b -> a`, `a` and `b` under
+/// different bits of the chain's summary. The writer removes `b` (its bit stays in the summary),
+/// walks the chain for an absent key under `b`'s bit (which makes the summary exact, without
+/// `b`'s bit), and chains `c`, another key under that bit, in `b`'s slot. The reader looks for
+/// `a`, which stays, and for `b`: `a` is found whatever the summary, `b` is never half-seen.
+#[test]
+fn a_reader_never_misses_a_chained_key_while_the_chain_summary_is_rebuilt() {
+    model(|| {
+        let same = colliding_keys(0, 64);
+        let (x, a) = (&same[0], &same[1]);
+        let mut under_b = same[2..].iter().filter(|k| !same_chain_bit(k, a));
+        let b = under_b.next().unwrap();
+        let mut twins = same[2..].iter().filter(|k| *k != b && same_chain_bit(k, b));
+        let (absent, c) = (twins.next().unwrap().clone(), twins.next().unwrap().clone());
+        let mut t = ready(3, &[x, a, b]);
+        let shared = t.shared();
+        let (a2, b2) = (a.clone(), b.clone());
+        let reader = thread::spawn(move || {
+            let a = shared.probe(&a2, hash_key(&a2));
+            let b = shared.probe(&b2, hash_key(&b2));
+            (a, b)
+        });
+        t.remove(2);
+        assert_eq!(t.find(&absent, hash_key(&absent)), None);
+        t.insert(2, &c, hash_key(&c));
+        let (a, b) = reader.join().unwrap();
+        assert_eq!(a, Probe::Ready, "a is resident throughout");
+        assert!(matches!(b, Probe::Ready | Probe::Miss), "{b:?}");
+        t.validate().unwrap();
+    });
 }
 
 /// Key `k` resident in slot 0 with one pin, and a thread releasing that pin (lock-free).
