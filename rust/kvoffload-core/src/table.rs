@@ -533,7 +533,8 @@ impl ChunkTable {
     }
 
     /// The slot of the first entry whose tag matches `hash`, else the first of the overflow
-    /// chain, without comparing keys: a guess to prefetch.
+    /// chain if `hash`'s bit is in its summary, without comparing keys: a guess to prefetch.
+    /// `None`: no key of that hash is in the table.
     fn candidate(&self, hash: u64) -> Option<ChunkId> {
         let bucket = &self.buckets[self.bucket(hash)];
         bucket
@@ -836,7 +837,8 @@ impl Slots {
 
     /// [`find`](Self::find) given `candidate`, what [`candidate`](Self::candidate) answered for
     /// `hash` since the table last changed: that slot is compared first, and no candidate means
-    /// no key of that hash is in the table (no entry's tag matches and the chain is empty).
+    /// no key of that hash is in the table (no entry's tag matches, and the chain is empty or
+    /// its summary lacks the hash's bit).
     #[inline]
     #[must_use]
     pub fn find_from(&self, key: &[u8], hash: u64, candidate: Option<ChunkId>) -> Option<ChunkId> {
@@ -869,7 +871,7 @@ impl Slots {
         self.code(c) != ABSENT && self.holds(c, key, self.hash(c))
     }
 
-    /// The first slot of `hash`'s chain, without comparing keys: a guess to prefetch.
+    /// See [`ChunkTable::candidate`].
     #[inline]
     #[must_use]
     pub fn candidate(&self, hash: u64) -> Option<ChunkId> {
