@@ -1507,16 +1507,17 @@ mod tests {
             }
         }
         let (chain, spare) = chain.split_at(3);
-        let other = |than: &[u8]| {
-            all.iter()
-                .find(|k| bit(k) == bit(than) && **k != than && !chain.contains(k))
-                .unwrap()
-        };
         let keys: Vec<&[u8]> = all[..ENTRIES]
             .iter()
             .map(Vec::as_slice)
             .chain(chain.iter().map(|k| k.as_slice()))
             .collect();
+        // A key of the bucket, never stored, under the bit of `than`.
+        let other = |than: &[u8]| {
+            all.iter()
+                .find(|k| bit(k) == bit(than) && !keys.contains(&k.as_slice()))
+                .unwrap()
+        };
         for (c, k) in keys.iter().enumerate() {
             put(&mut t, c as ChunkId, k);
         }
