@@ -6,6 +6,8 @@
 //!   evictions) + `complete_store(success)`: steady-state churn;
 //! - `load_complete`: `prepare_load` + `complete_load` of 32 random resident keys;
 //! - `lookup`: `lookup` of 32 random resident keys (hits);
+//! - `lookup_miss`: `lookup` of 32 keys never stored (misses: what a scheduler's lookup of a
+//!   request's blocks meets at the end of its cached prefix);
 //! - `touch`: `touch` of 32 random resident keys;
 //! - `request_finished`: `on_request_finished` of a request that loaded 32 keys, with positions.
 //!
@@ -15,7 +17,7 @@
 //! pollution by them still is). After criterion's report a table gives ns/key per op, policy and
 //! size, and the ratio of the 10^6-chunk to the 10^3-chunk cost.
 //!
-//! Run `cargo bench -p kvoffload-core --bench manager` (about two minutes; criterion's
+//! Run `cargo bench -p kvoffload-core --bench manager` (two to three minutes; criterion's
 //! `--measurement-time`, `--sample-size` and filters apply). Under `cargo test --benches` only
 //! the smallest size runs, once, as a smoke test. For instruction counts, see
 //! `examples/callgrind_ops.rs`.
@@ -39,19 +41,28 @@ enum Op {
     Store,
     Load,
     Lookup,
+    LookupMiss,
     Touch,
     Finish,
 }
 
 impl Op {
     /// In run order: stores first, since they change the resident set the others draw from.
-    const ALL: [Op; 5] = [Op::Store, Op::Load, Op::Lookup, Op::Touch, Op::Finish];
+    const ALL: [Op; 6] = [
+        Op::Store,
+        Op::Load,
+        Op::Lookup,
+        Op::LookupMiss,
+        Op::Touch,
+        Op::Finish,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Op::Store => "store_evict",
             Op::Load => "load_complete",
             Op::Lookup => "lookup",
+            Op::LookupMiss => "lookup_miss",
             Op::Touch => "touch",
             Op::Finish => "request_finished",
         }
@@ -123,6 +134,15 @@ fn time_block(w: &mut Workload, op: Op, batches: usize) -> Duration {
             let hits = run_lookup(&w.manager, &keys);
             let elapsed = elapsed_since(start);
             assert_eq!(hits, keys.len(), "every key hits");
+            elapsed
+        }
+        Op::LookupMiss => {
+            let keys = w.fresh_keys(batches);
+            let keys = refs(&keys);
+            let start = now();
+            let hits = run_lookup(&w.manager, &keys);
+            let elapsed = elapsed_since(start);
+            assert_eq!(hits, 0, "no key hits");
             elapsed
         }
         Op::Touch => {
