@@ -1,5 +1,5 @@
 //! Criterion benchmarks of the core [`Manager`](kvoffload_core::Manager): the per-key cost of
-//! its five hot operations, LRU and ARC, at 10^3, 10^5 and 10^6 chunks, each on batches of 32
+//! its hot operations, every built-in policy, at 10^3, 10^5 and 10^6 chunks, each on batches of 32
 //! 36-byte keys (reported per key through `Throughput::Elements(32)`):
 //!
 //! - `store_evict`: `prepare_store` of 32 new keys into a full cache of evictable chunks (32
