@@ -33,6 +33,7 @@ from _helpers import (
 from kvoffload import (
     CacheHitSource,
     Medium,
+    OffloadingEvent,
     OffloadPolicy,
     ReqContext,
     RequestFinishedError,
@@ -62,6 +63,14 @@ def test_event_fields(make_manager: MakeManager) -> None:
         assert e.locality is None
         assert e.ownership is None
         assert e.removal_expected is False
+        assert type(e) is OffloadingEvent
+        made = OffloadingEvent(
+            keys=list(e.keys), medium=Medium.CPU, removed=e.removed, metadata_only=e.metadata_only
+        )
+        assert e == made
+        # The same attributes, set in the fields' order, as the constructor sets them.
+        assert list(vars(e).items()) == list(vars(made).items())
+        assert list(vars(e)) == [f.name for f in dataclasses.fields(OffloadingEvent)]
     m.check_invariants()
 
 
@@ -117,6 +126,47 @@ def test_take_events_keeps_evictions_of_returned_keys(make_manager: MakeManager)
         ("stored", ks(2)),
         ("removed", ks(2)),
         ("stored", ks(1)),
+    ]
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_event_keys_are_vllms_objects(make_manager: MakeManager, policy: str) -> None:
+    # vLLM's events hold key objects, not copies: a completion's event the keys of that call,
+    # an eviction's the keys its policy gives back, which the store's output returns too.
+    m = make_manager(2, cache_policy=policy, enable_events=True)
+    ctx = ReqContext(req_id="")
+    completed = [bytes(bytearray(key)) for key in ks(1, 2)]
+    m.prepare_store(ks(1, 2), ctx)
+    m.complete_store(completed, ctx)
+    out = m.prepare_store(ks(3, 4), ReqContext(req_id="other"))
+    failed = [bytes(bytearray(key)) for key in out.keys_to_store]
+    m.complete_store(failed, ctx, success=False)
+    stored, evicted, cleanup = list(m.take_events())
+    assert [id(key) for key in stored.keys] == [id(key) for key in completed]
+    assert [id(key) for key in evicted.keys] == [id(key) for key in out.evicted_keys]
+    assert [id(key) for key in cleanup.keys] == [id(key) for key in failed]
+    m.check_invariants()
+
+
+def test_events_of_long_calls_keep_their_order(make_manager: MakeManager) -> None:
+    # Calls of many keys (which the Rust manager runs with the GIL released) queue their
+    # events in order with the others.
+    m = make_manager(300, enable_events=True)
+    ctx = ReqContext(req_id="")
+    first, second, third = range(0, 200), range(200, 210), range(210, 410)
+    store(m, ctx, *first)
+    store(m, ctx, *second)
+    out = m.prepare_store(ks(*third), ctx)
+    m.complete_store(out.keys_to_store[:150], ctx)
+    m.complete_store(out.keys_to_store[150:], ctx, success=False)
+    evicted = ks(*first)[:110]
+    assert drain(m) == [
+        ("stored", ks(*first)),
+        ("stored", ks(*second)),
+        ("removed", evicted),
+        ("stored", ks(*third)[:150]),
+        ("cleanup", ks(*third)[150:]),
     ]
     m.check_invariants()
 

@@ -225,6 +225,12 @@ def test_a_scenario_in_vllms_types(oracle: Any, vllm_mod: Any) -> None:
         (False, keys[:3]),
         (True, [keys[2], keys[1]]),
     ]
+    assert events == [
+        mm.OffloadingEvent(keys=keys[:3], medium=mm.Medium.CPU, removed=False),
+        mm.OffloadingEvent(keys=[keys[2], keys[1]], medium=mm.Medium.CPU, removed=True),
+    ]
+    assert [list(vars(e)) for e in events] == [list(vars(events[0]))] * 2
+    assert list(vars(events[0])) == list(vars(mm.OffloadingEvent([], mm.Medium.CPU, False)))
     stats = mgr.get_stats()
     assert isinstance(stats, mm.OffloadingConnectorStats)
     usage = stats.data["data"][mm.CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC][()]

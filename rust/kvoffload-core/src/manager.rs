@@ -167,8 +167,15 @@ pub enum Lookup {
 /// A stored or removed batch of keys.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Event {
-    /// The keys, in the order the call handled them.
+    /// The keys, in the order the call handled them; empty when the event carries `chunks`
+    /// instead ([`Manager::set_event_chunks`]).
     pub keys: Vec<KeyBuf>,
+    /// The chunks the keys were at, in the same order, when the manager was told to give
+    /// chunks instead of keys; else empty.
+    pub chunks: Vec<ChunkId>,
+    /// With chunks given, for an event of [`Manager::complete_store`]: each key's place among
+    /// the keys of that call (whose key objects the caller may want in the event); else empty.
+    pub positions: Vec<u32>,
     /// Removed (`true`) or stored (`false`).
     pub removed: bool,
     /// The cleanup of a failed store rather than an eviction.
@@ -247,6 +254,17 @@ pub struct Manager {
     liveness: PendingWrites,
     /// [`StoreOutcome::evicted`] carries the evicted keys ([`set_evicted_keys`](Self::set_evicted_keys)).
     evicted_keys: bool,
+    /// What events name their keys by ([`set_event_chunks`](Self::set_event_chunks)).
+    event_keys: EventKeys,
+}
+
+/// What an [`Event`] names its keys by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EventKeys {
+    /// Copies of the keys.
+    Copies,
+    /// The chunks they were at (and a completion's places in its call).
+    Chunks,
 }
 
 impl Manager {
@@ -301,6 +319,7 @@ impl Manager {
             external,
             liveness: PendingWrites::new(),
             evicted_keys: true,
+            event_keys: EventKeys::Copies,
         })
     }
 
@@ -310,6 +329,19 @@ impl Manager {
     /// (they carry the keys).
     pub fn set_evicted_keys(&mut self, on: bool) {
         self.evicted_keys = on;
+    }
+
+    /// Whether events carry the chunks of their keys ([`Event::chunks`]) instead of copies of
+    /// the keys (off for a new manager). For a caller that keeps its own copy of every stored
+    /// key, by chunk, and takes each call's events ([`take_events`](Self::take_events)) before
+    /// the chunks named change hands: before it moves the keys of evicted or freed chunks out,
+    /// and before another call can reuse those chunks.
+    pub fn set_event_chunks(&mut self, on: bool) {
+        self.event_keys = if on {
+            EventKeys::Chunks
+        } else {
+            EventKeys::Copies
+        };
     }
 
     /// The policy (a binding reaches its external policy through [`CachePolicy::as_any_mut`]).
@@ -856,8 +888,11 @@ impl Manager {
         self.apply_releases();
         let mut freed = Vec::new();
         let mut done: Vec<KeyBuf> = Vec::new();
-        let keep = self.events.is_some();
+        let keep = self.events.is_some() && self.event_keys == EventKeys::Copies;
         let found = self.resolve_hinted(keys, hints);
+        // Apart from the loop below, which an event's two more lists measurably slowed.
+        let named = (self.events.is_some() && self.event_keys == EventKeys::Chunks)
+            .then(|| self.pending_among(&found));
         for (k, &c) in keys.iter().zip(&found) {
             let Some(c) = c else { continue };
             if self.slots.state(c) != ChunkState::Pending {
@@ -880,14 +915,60 @@ impl Manager {
                 freed.push(c);
             }
         }
-        if let (Some(events), false) = (&mut self.events, done.is_empty()) {
+        if self.events.is_some() {
+            self.queue_completion(done, named, success);
+        }
+        freed
+    }
+
+    /// Queue the event of a completion: the keys it copied (`done`), or the chunks and places
+    /// it named (`named`); none when it completed nothing. (Out of line, as is the naming:
+    /// inlined, they cost every completion, events on or off.)
+    #[inline(never)]
+    fn queue_completion(
+        &mut self,
+        done: Vec<KeyBuf>,
+        named: Option<(Vec<ChunkId>, Vec<u32>)>,
+        success: bool,
+    ) {
+        let (keys, chunks, positions) = match named {
+            Some((chunks, positions)) if chunks.is_empty() => {
+                recycle::give(chunks);
+                recycle::give(positions);
+                return;
+            }
+            Some((chunks, positions)) => (Vec::new(), chunks, positions),
+            None if done.is_empty() => return,
+            None => (done, Vec::new(), Vec::new()),
+        };
+        if let Some(events) = &mut self.events {
             events.push(Event {
-                keys: done,
+                keys,
+                chunks,
+                positions,
                 removed: !success,
                 metadata_only: !success,
             });
         }
-        freed
+    }
+
+    /// The pending chunks among `found` (each once, in order) and their places in it: the
+    /// keys a completion finds pending, for its event.
+    #[inline(never)]
+    fn pending_among(&mut self, found: &[Option<ChunkId>]) -> (Vec<ChunkId>, Vec<u32>) {
+        let mut chunks = recycle::take(found.len());
+        let mut positions = recycle::take(found.len());
+        for (i, &c) in found.iter().enumerate() {
+            if let Some(c) = c {
+                // A key named twice is completed once.
+                if self.slots.state(c) == ChunkState::Pending && mark(&mut self.marks, c) {
+                    chunks.push(c);
+                    positions.push(i as u32);
+                }
+            }
+        }
+        clear_marks(&mut self.marks, chunks.iter().copied());
+        (chunks, positions)
     }
 
     // --- requests ---
@@ -954,6 +1035,13 @@ impl Manager {
     /// Detach the queued events (empty when events are disabled).
     pub fn take_events(&mut self) -> Vec<Event> {
         self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Take the queued events out one by one, oldest first, leaving the queue its buffer. The
+    /// `chunks` and `positions` of an event come from [`recycle::take`]: a caller done with
+    /// them may hand them back ([`recycle::give`]).
+    pub fn drain_events(&mut self) -> impl Iterator<Item = Event> + '_ {
+        self.events.iter_mut().flat_map(|events| events.drain(..))
     }
 
     /// Whether events are queued at all.
@@ -1240,7 +1328,8 @@ impl Manager {
 
     /// Drop chosen victims, free their chunks (in order) and queue one removal event.
     fn evict_chunks(&mut self, victims: &[ChunkId]) -> Vec<KeyBuf> {
-        let keep = self.evicted_keys || self.events.is_some();
+        let key_events = self.events.is_some() && self.event_keys == EventKeys::Copies;
+        let keep = self.evicted_keys || key_events;
         let mut evicted = recycle::take(if keep { victims.len() } else { 0 });
         // The victims' keys, then their index buckets: the misses overlap.
         for &c in victims {
@@ -1260,14 +1349,21 @@ impl Manager {
                 self.policy.forget(c);
             }
         }
-        if !evicted.is_empty() {
-            if let Some(events) = &mut self.events {
-                events.push(Event {
-                    keys: evicted.clone(),
-                    removed: true,
-                    metadata_only: false,
-                });
-            }
+        if let (Some(events), false) = (&mut self.events, victims.is_empty()) {
+            let (keys, chunks) = if self.event_keys == EventKeys::Chunks {
+                let mut chunks = recycle::take(victims.len());
+                chunks.extend_from_slice(victims);
+                (Vec::new(), chunks)
+            } else {
+                (evicted.clone(), Vec::new())
+            };
+            events.push(Event {
+                keys,
+                chunks,
+                positions: Vec::new(),
+                removed: true,
+                metadata_only: false,
+            });
         }
         evicted
     }
@@ -1816,6 +1912,65 @@ mod tests {
                 assert_eq!(removed, vec![want]);
             }
         }
+    }
+
+    #[test]
+    fn events_name_chunks_and_places_instead_of_keys_when_asked() {
+        let mut m = manager_with_events(2, PolicyKind::Lru, true);
+        m.set_evicted_keys(false);
+        m.set_event_chunks(true);
+        let keys: [&[u8]; 4] = [b"a", b"b", b"c", b"d"];
+        let mut req = m.new_request_state();
+        m.prepare_store(&keys[..2], None, &mut req)
+            .unwrap()
+            .unwrap();
+        // "x" is not pending: it takes no place in the event.
+        m.complete_store(&[b"x", keys[1], keys[0]], true);
+        let out = m
+            .prepare_store(&keys[2..], None, &mut req)
+            .unwrap()
+            .unwrap();
+        assert!(out.evicted.is_empty(), "no key copied for the event either");
+        m.complete_store(&[keys[3], keys[2]], false);
+        let events: Vec<_> = m
+            .take_events()
+            .into_iter()
+            .map(|e| {
+                (
+                    e.keys.len(),
+                    e.chunks,
+                    e.positions,
+                    e.removed,
+                    e.metadata_only,
+                )
+            })
+            .collect();
+        assert_eq!(
+            events,
+            vec![
+                (0, vec![1, 0], vec![1, 2], false, false),
+                (0, out.evicted_chunks.clone(), Vec::new(), true, false),
+                (
+                    0,
+                    vec![out.chunks[1], out.chunks[0]],
+                    vec![0, 1],
+                    true,
+                    true
+                ),
+            ]
+        );
+        // Off again: keys, and no chunks.
+        m.set_event_chunks(false);
+        m.prepare_store(&keys[..1], None, &mut req)
+            .unwrap()
+            .unwrap();
+        m.complete_store(&keys[..1], true);
+        let e = m.take_events().pop().unwrap();
+        assert_eq!(
+            (e.keys, e.chunks, e.positions),
+            (vec![KeyBuf::from_slice(b"a")], vec![], vec![])
+        );
+        m.validate().unwrap();
     }
 
     #[test]

@@ -9,7 +9,7 @@ use crate::liveness::Liveness;
 use crate::policy::external::PythonPolicy;
 use crate::policy::state::{state_dict, state_keys};
 use crate::request::RequestState;
-use kvoffload_core::recycle::Recycled;
+use kvoffload_core::recycle::{self, Recycled};
 use kvoffload_core::{self as core, Lookup, Manager, ManagerConfig, PolicyKind};
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::intern;
@@ -53,6 +53,32 @@ struct Core {
     keys: Vec<Option<Py<PyBytes>>>,
     /// The chunk each recently stored or loaded key object went to, by the object's address.
     memo: ChunkMemo,
+    /// The events queued so far, oldest first: the manager's, moved here by
+    /// [`queuing`](Core::queuing) after each call that queues them.
+    events: Vec<KeptEvent>,
+    /// The key objects of the [`EventKeys::Objects`] events, one after another.
+    event_objs: Vec<Py<PyBytes>>,
+    /// The current call runs on this thread, attached to the interpreter, from start to end
+    /// (set by the call wrappers, [`ManagerCore::policy_call`] and [`ManagerCore::borrowing`],
+    /// and cleared before they release the lock).
+    attached: bool,
+}
+
+/// An event of the manager with its keys as kvoffload hands them out.
+struct KeptEvent {
+    keys: EventKeys,
+    removed: bool,
+    metadata_only: bool,
+}
+
+enum EventKeys {
+    /// Key objects, referenced (no key copied): the next this many of [`Core::event_objs`].
+    Objects(usize),
+    /// The manager's copies of the keys.
+    Bytes(Vec<core::KeyBuf>),
+    /// A chunk of the event had no stored key object (a broken invariant, reported when the
+    /// events are taken).
+    Missing(core::ChunkId),
 }
 
 /// Entries of a [`ChunkMemo`] (a power of two): 32 KiB, so that the keys of a scheduler step's
@@ -137,7 +163,9 @@ fn complete_stores(
     success: bool,
 ) -> Recycled<Option<Py<PyBytes>>> {
     let guesses = m.guesses(addrs);
-    let freed = m.complete_store_hinted(keys, guesses.hints(), success);
+    let freed = m.queuing(Some(addrs), |m| {
+        m.complete_store_hinted(keys, guesses.hints(), success)
+    });
     m.take_keys(&freed)
 }
 
@@ -159,6 +187,79 @@ fn addresses(objs: &[Bound<'_, PyBytes>]) -> Recycled<usize> {
 }
 
 impl Core {
+    /// Run `call`, a manager call that may queue events, and move its events to
+    /// [`events`](Core::events): on a thread attached for the whole call, with key objects
+    /// (the manager copies no key), otherwise with the manager's copies. An event of
+    /// `complete_store` gets the call's own objects, at `args` (their addresses), as vLLM's
+    /// does; any other, the stored objects of its chunks. Must run before those move.
+    #[inline]
+    fn queuing<R>(&mut self, args: Option<&[usize]>, call: impl FnOnce(&mut Manager) -> R) -> R {
+        if !self.manager.events_enabled() {
+            return call(&mut self.manager);
+        }
+        let objects = self.attached;
+        self.manager.set_event_chunks(objects);
+        let out = call(&mut self.manager);
+        self.manager.set_event_chunks(false);
+        for e in self.manager.drain_events() {
+            // Only events queued in chunk mode name chunks (older ones, of calls made
+            // elsewhere, carry copies).
+            let keys = if e.chunks.is_empty() {
+                EventKeys::Bytes(e.keys)
+            } else {
+                // SAFETY: events carry chunks only while `objects`, that is `attached`, is set:
+                // this thread is attached to the interpreter for the whole call (the wrappers
+                // that set it run the call without detaching), so it may take references.
+                let py = unsafe { Python::assume_attached() };
+                // Places ascend: the last is below the call's number of keys.
+                let named = e.positions.last().map(|&i| i as usize);
+                let keys = match args.filter(|a| named.is_some_and(|i| i < a.len())) {
+                    Some(args) => {
+                        self.event_objs.extend(e.positions.iter().map(|&i| {
+                            let obj = args[i as usize] as *mut pyo3::ffi::PyObject;
+                            // SAFETY: the addresses of the call's key objects (`bytes`), alive
+                            // while it runs (its caller holds them).
+                            unsafe {
+                                Bound::from_borrowed_ptr(py, obj)
+                                    .cast_into_unchecked::<PyBytes>()
+                                    .unbind()
+                            }
+                        }));
+                        EventKeys::Objects(e.positions.len())
+                    }
+                    None => Self::objects_of(py, &self.keys, &e.chunks, &mut self.event_objs),
+                };
+                recycle::give(e.chunks);
+                recycle::give(e.positions);
+                keys
+            };
+            self.events.push(KeptEvent {
+                keys,
+                removed: e.removed,
+                metadata_only: e.metadata_only,
+            });
+        }
+        out
+    }
+
+    /// References to the stored key objects of `chunks`, appended to `objs`.
+    fn objects_of(
+        py: Python<'_>,
+        stored: &[Option<Py<PyBytes>>],
+        chunks: &[core::ChunkId],
+        objs: &mut Vec<Py<PyBytes>>,
+    ) -> EventKeys {
+        let start = objs.len();
+        for &c in chunks {
+            let Some(obj) = stored.get(c as usize).and_then(Option::as_ref) else {
+                objs.truncate(start);
+                return EventKeys::Missing(c);
+            };
+            objs.push(obj.clone_ref(py));
+        }
+        EventKeys::Objects(chunks.len())
+    }
+
     /// The memo's guess of the chunk of each object at `addrs`, and whether the guesses can
     /// be vouched for: each guessed chunk keeps that very object. The object is then alive and
     /// the chunk's, so whenever the chunk holds a key, the key is the object's bytes (the rule
@@ -438,12 +539,16 @@ impl ManagerCore {
             Some(st) => Some(st.inner.lock().map_err(|_| poisoned(py))?),
             None => None,
         };
+        m.attached = true;
         if !self.python_policy {
-            return Ok((f(&mut m, s.as_deref_mut()), None));
+            let out = f(&mut m, s.as_deref_mut());
+            m.attached = false;
+            return Ok((out, None));
         }
         self.busy.store(thread_mark(), Ordering::Release);
         m.begin(ctx, keys);
         let out = f(&mut m, s.as_deref_mut());
+        m.attached = false;
         let raised = m.finish();
         self.busy.store(0, Ordering::Release);
         Ok((out, raised))
@@ -470,7 +575,10 @@ impl ManagerCore {
         }
         Keys::borrowed(keys, max_keys, |slices, addrs| {
             let mut m = uncontended(&self.inner)?;
-            Some(f(&mut m, slices, addrs))
+            m.attached = true;
+            let out = f(&mut m, slices, addrs);
+            m.attached = false;
+            Some(out)
         })
         .flatten()
     }
@@ -604,7 +712,7 @@ impl ManagerCore {
     fn expire<'py>(&self, py: Python<'py>, now: f64, timeout: f64) -> PyResult<Bound<'py, PyList>> {
         // A Python policy hears of each expiry as of a failed store (`remove`).
         let ((expired, mut objs), raised) = self.policy_call(py, None, &[], None, |m, _| {
-            let expired = m.expire_pending_writes(now, timeout);
+            let expired = m.queuing(None, |m| m.expire_pending_writes(now, timeout));
             let chunks: Vec<core::ChunkId> = expired.iter().map(|&(c, _)| c).collect();
             let objs = m.take_keys(&chunks);
             (expired, objs)
@@ -773,6 +881,9 @@ impl ManagerCore {
                 manager: inner,
                 keys: Vec::new(),
                 memo: ChunkMemo::new(),
+                events: Vec::new(),
+                event_objs: Vec::new(),
+                attached: false,
             }),
             reads_positions: config.policy == PolicyKind::Lru && !python_policy,
             policy: name,
@@ -967,7 +1078,9 @@ impl ManagerCore {
                 let s = s.expect("state given");
                 renew_if_stale(m, s);
                 let mark = s.seen_keys().len();
-                let outcome = m.prepare_store(slices, positions.as_deref().map(Vec::as_slice), s);
+                let outcome = m.queuing(None, |m| {
+                    m.prepare_store(slices, positions.as_deref().map(Vec::as_slice), s)
+                });
                 let mut objs = Recycled::with_capacity(0);
                 let mut dropped = Vec::new();
                 match &outcome {
@@ -1113,11 +1226,31 @@ impl ManagerCore {
 
     /// Detach the queued events as `(keys, removed, metadata_only)` tuples.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<(Bound<'py, PyList>, bool, bool)>> {
-        let events = self.lock(py)?.take_events();
+        // The events moved out of the manager first, then any it still holds (newer).
+        let (events, objs) = {
+            let mut m = self.lock(py)?;
+            let mut events = std::mem::take(&mut m.events);
+            events.extend(m.take_events().into_iter().map(|e| KeptEvent {
+                keys: EventKeys::Bytes(e.keys),
+                removed: e.removed,
+                metadata_only: e.metadata_only,
+            }));
+            (events, std::mem::take(&mut m.event_objs))
+        };
+        let mut objs = objs.into_iter();
         events
             .into_iter()
             .map(|e| {
-                let keys = PyList::new(py, e.keys.iter().map(|k| PyBytes::new(py, k)))?;
+                let keys = match e.keys {
+                    EventKeys::Objects(n) => PyList::new(py, objs.by_ref().take(n))?,
+                    EventKeys::Bytes(keys) => {
+                        PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k)))?
+                    }
+                    EventKeys::Missing(c) => {
+                        let broken = format!("the event of chunk {c} found no stored key object");
+                        return Err(to_py(py, core::CoreError::Invariant(broken)));
+                    }
+                };
                 Ok((keys, e.removed, e.metadata_only))
             })
             .collect()

@@ -410,6 +410,8 @@ impl Model {
             if self.events_on {
                 self.events.push(Event {
                     keys: evicted.clone(),
+                    chunks: Vec::new(),
+                    positions: Vec::new(),
                     removed: true,
                     metadata_only: false,
                 });
@@ -452,6 +454,8 @@ impl Model {
         if self.events_on && !done.is_empty() {
             self.events.push(Event {
                 keys: done,
+                chunks: Vec::new(),
+                positions: Vec::new(),
                 removed: !success,
                 metadata_only: !success,
             });
