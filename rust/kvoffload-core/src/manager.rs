@@ -762,11 +762,13 @@ impl Manager {
         let mut readable: Scratch<usize> = Vec::new().into();
         let mut resident: Scratch<Option<ChunkId>> = Scratch::with_capacity(n);
         let mut absent = 0;
-        for (i, (k, &c)) in keys.iter().zip(&found).enumerate() {
+        let tracked = self.tracked(keys, &hashes);
+        for (i, &c) in found.iter().enumerate() {
             match c {
                 None => {
                     absent += 1;
-                    if self.would_admit(k, sketch_hashes.get(i).copied(), req) {
+                    let entry = tracked.get(i).copied().flatten();
+                    if self.would_admit(entry, sketch_hashes.get(i).copied(), req) {
                         recorded.push(i);
                         candidates.push(i);
                     }
@@ -816,7 +818,14 @@ impl Manager {
             }
         };
         // The call stands: count the offer and set the request's flags.
-        self.count_offer(keys, &sketch_hashes, req, absent - candidates.len());
+        self.count_offer(
+            keys,
+            &hashes,
+            &tracked,
+            &sketch_hashes,
+            req,
+            absent - candidates.len(),
+        );
         mark_reused(req, &call, readable.iter().copied());
         set_flag(req, &call, &new_misses, REPORTED);
         // 6-7.
@@ -1184,11 +1193,30 @@ impl Manager {
 
     // --- internals ---
 
-    /// Whether the threshold admits absent `key` in the coming offer (`sketch_hash`: its
-    /// sketch hash when a sketch counts offers).
-    fn would_admit(&self, key: &[u8], sketch_hash: Option<u64>, req: &RequestState) -> bool {
+    /// Each key's entry in the tracker, if one counts offers (else empty): read once, for the
+    /// threshold and for counting the offer.
+    fn tracked(&self, keys: &[&[u8]], hashes: &[u64]) -> Scratch<Option<u32>> {
+        match &self.tracker {
+            Some(t) => keys
+                .iter()
+                .zip(hashes)
+                .map(|(k, &h)| t.find(k, h))
+                .collect(),
+            None => Vec::new().into(),
+        }
+    }
+
+    /// Whether the threshold admits an absent key in the coming offer (`tracked`: its tracker
+    /// entry, when the tracker counts offers; `sketch_hash`: its sketch hash, when a sketch
+    /// does).
+    fn would_admit(
+        &self,
+        tracked: Option<u32>,
+        sketch_hash: Option<u64>,
+        req: &RequestState,
+    ) -> bool {
         match (&self.tracker, &self.sketch, sketch_hash) {
-            (Some(t), _, _) => t.would_admit(key),
+            (Some(t), _, _) => t.admits(tracked),
             (None, Some(s), Some(h)) => s.would_admit_next(h, !req.counted.contains(&h)),
             _ => true,
         }
@@ -1199,6 +1227,8 @@ impl Manager {
     fn count_offer(
         &mut self,
         keys: &[&[u8]],
+        hashes: &[u64],
+        tracked: &[Option<u32>],
         sketch_hashes: &[u64],
         req: &mut RequestState,
         skipped: usize,
@@ -1207,7 +1237,8 @@ impl Manager {
             self.stores_skipped += skipped as u64;
         }
         if let Some(t) = &mut self.tracker {
-            t.record(keys.iter().copied());
+            // The keys are distinct, and their entries read above.
+            t.record_distinct(keys, hashes, tracked);
         }
         if let Some(s) = &mut self.sketch {
             s.age_if_due();
