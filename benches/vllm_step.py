@@ -19,6 +19,7 @@ sources (``tools/fetch_vllm.py``); not part of the test run.
 
     python benches/vllm_step.py                          # lru and arc, 2,000 requests
     python benches/vllm_step.py --policies lru --requests 500 --repeat 3 --json out.json
+    python benches/vllm_step.py --events --store-threshold 2 --kv-groups 2   # other settings
 """
 
 from __future__ import annotations
@@ -46,18 +47,22 @@ RUST_POLICY = {"lru": "RustLRU", "arc": "RustARC"}
 OWN_TYPES = "kvoffload (own types)"
 
 
-def extra_configs(policy: str) -> dict[str, dict[str, Any]]:
-    """``kv_connector_extra_config`` of each manager (``cpu_bytes_to_use`` is added later)."""
+def extra_configs(policy: str, store_threshold: int = 0) -> dict[str, dict[str, Any]]:
+    """``kv_connector_extra_config`` of each manager (``cpu_bytes_to_use`` is added later);
+    ``store_threshold`` 2 or more turns on vLLM's admission threshold in all of them."""
+    shared: dict[str, Any] = {"store_threshold": store_threshold} if store_threshold else {}
     return {
-        "vllm": {"eviction_policy": policy},
+        "vllm": {"eviction_policy": policy, **shared},
         "vllm+rust-policy": {
             "eviction_policy": RUST_POLICY[policy],
             "cache_policy_module_path": MODULE,
+            **shared,
         },
         "kvoffload": {
             "spec_name": "KVOffloadCPUOffloadingSpec",
             "spec_module_path": MODULE,
             "eviction_policy": policy,
+            **shared,
         },
     }
 
@@ -104,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default="lru,arc")
     parser.add_argument("--repeat", type=int, default=3, help="keep the fastest of N replays")
     parser.add_argument("--events", action="store_true", help="kv events on, drained each step")
+    parser.add_argument(
+        "--store-threshold", type=int, default=0, help="offers a key needs before it is stored"
+    )
+    parser.add_argument("--kv-groups", type=int, default=1, help="KV cache groups (keys a block)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -113,12 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     oracle = vllm_oracle.load()
     workload = generate(
-        WorkloadConfig(requests=args.requests, seed=args.seed, lookup_mode="single")
+        WorkloadConfig(
+            requests=args.requests, seed=args.seed, lookup_mode="single", kv_groups=args.kv_groups
+        )
     )
     print(
         f"vLLM {vllm_oracle.VLLM_VERSION} managers per scheduler step: {args.requests:,} requests "
         f"({workload.num_keys:,} keys, {workload.num_unique_keys:,} distinct), "
         f"{args.chunks:,} chunks, seed {args.seed}, events {'on' if args.events else 'off'}, "
+        f"store threshold {args.store_threshold or 'off'}, {args.kv_groups} KV group(s), "
         f"fastest of {args.repeat}; Python {platform.python_version()}"
     )
     header = (
@@ -132,10 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, ReplayResult] = {}
         makers = {
             name: build(oracle, args.chunks, extra, args.events)
-            for name, extra in extra_configs(policy).items()
+            for name, extra in extra_configs(policy, args.store_threshold).items()
         }
         makers[OWN_TYPES] = functools.partial(
-            CPUOffloadingManager, args.chunks, policy, enable_events=args.events
+            CPUOffloadingManager,
+            args.chunks,
+            policy,
+            enable_events=args.events,
+            store_threshold=max(args.store_threshold, 1),
         )
         # The managers take turns, one replay each per round, so every manager's fastest
         # replay is taken over the same stretch of time (a slow phase of the host slows them
