@@ -229,7 +229,8 @@ class CPUOffloadingManager:
         """Yield the queued events; the batch is detached at the first step."""
         if not self._core.events_enabled:
             return
-        cls, new, medium = self._types.OffloadingEvent, object.__new__, self.medium
+        cls, medium = self._types.OffloadingEvent, self.medium
+        new = cls.__new__
         for keys, removed, metadata_only in self._core.take_events():
             if metadata_only:
                 # Keys stored again since the failed store are no longer removed.
@@ -237,8 +238,9 @@ class CPUOffloadingManager:
                 if not keys:
                     continue
                 removed = True
-            # What the dataclass's ``__init__`` makes (every field, in declared order), built
-            # without the call: half the time a drained event costs through the constructor.
+            # What the dataclass's ``__init__`` makes (every field, in declared order), on a
+            # bare ``cls.__new__(cls)`` without the call: half the time a drained event costs
+            # through the constructor.
             event: OffloadingEvent = new(cls)
             event.keys = keys
             event.medium = medium

@@ -56,7 +56,7 @@ struct Core {
     /// The events queued so far, oldest first: the manager's, moved here by
     /// [`queuing`](Core::queuing) after each call that queues them.
     events: Vec<KeptEvent>,
-    /// The key objects of the [`EventKeys::Objects`] events, one after another.
+    /// The key objects of the [`KeptKeys::Objects`] events, one after another.
     event_objs: Vec<Py<PyBytes>>,
     /// The current call runs on this thread, attached to the interpreter, from start to end
     /// (set by the call wrappers, [`ManagerCore::policy_call`] and [`ManagerCore::borrowing`],
@@ -66,12 +66,13 @@ struct Core {
 
 /// An event of the manager with its keys as kvoffload hands them out.
 struct KeptEvent {
-    keys: EventKeys,
+    keys: KeptKeys,
     removed: bool,
     metadata_only: bool,
 }
 
-enum EventKeys {
+/// How a [`KeptEvent`] holds its keys.
+enum KeptKeys {
     /// Key objects, referenced (no key copied): the next this many of [`Core::event_objs`].
     Objects(usize),
     /// The manager's copies of the keys.
@@ -205,7 +206,7 @@ impl Core {
             // Only events queued in chunk mode name chunks (older ones, of calls made
             // elsewhere, carry copies).
             let keys = if e.chunks.is_empty() {
-                EventKeys::Bytes(e.keys)
+                KeptKeys::Bytes(e.keys)
             } else {
                 // SAFETY: events carry chunks only while `objects`, that is `attached`, is set:
                 // this thread is attached to the interpreter for the whole call (the wrappers
@@ -225,7 +226,7 @@ impl Core {
                                     .unbind()
                             }
                         }));
-                        EventKeys::Objects(e.positions.len())
+                        KeptKeys::Objects(e.positions.len())
                     }
                     None => Self::objects_of(py, &self.keys, &e.chunks, &mut self.event_objs),
                 };
@@ -248,16 +249,16 @@ impl Core {
         stored: &[Option<Py<PyBytes>>],
         chunks: &[core::ChunkId],
         objs: &mut Vec<Py<PyBytes>>,
-    ) -> EventKeys {
+    ) -> KeptKeys {
         let start = objs.len();
         for &c in chunks {
             let Some(obj) = stored.get(c as usize).and_then(Option::as_ref) else {
                 objs.truncate(start);
-                return EventKeys::Missing(c);
+                return KeptKeys::Missing(c);
             };
             objs.push(obj.clone_ref(py));
         }
-        EventKeys::Objects(chunks.len())
+        KeptKeys::Objects(chunks.len())
     }
 
     /// The memo's guess of the chunk of each object at `addrs`, and whether the guesses can
@@ -1231,7 +1232,7 @@ impl ManagerCore {
             let mut m = self.lock(py)?;
             let mut events = std::mem::take(&mut m.events);
             events.extend(m.take_events().into_iter().map(|e| KeptEvent {
-                keys: EventKeys::Bytes(e.keys),
+                keys: KeptKeys::Bytes(e.keys),
                 removed: e.removed,
                 metadata_only: e.metadata_only,
             }));
@@ -1242,11 +1243,11 @@ impl ManagerCore {
             .into_iter()
             .map(|e| {
                 let keys = match e.keys {
-                    EventKeys::Objects(n) => PyList::new(py, objs.by_ref().take(n))?,
-                    EventKeys::Bytes(keys) => {
+                    KeptKeys::Objects(n) => PyList::new(py, objs.by_ref().take(n))?,
+                    KeptKeys::Bytes(keys) => {
                         PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k)))?
                     }
-                    EventKeys::Missing(c) => {
+                    KeptKeys::Missing(c) => {
                         let broken = format!("the event of chunk {c} found no stored key object");
                         return Err(to_py(py, core::CoreError::Invariant(broken)));
                     }
