@@ -109,20 +109,15 @@ class FilledCache:
         seed: int = 0,
         batch: int = KEYS_PER_OP,
         keys: list[bytes] | None = None,
+        events: bool = False,
     ) -> None:
         self.impl, self.policy, self.num_chunks, self.batch = impl, policy, num_chunks, batch
         cls, self.context_cls = manager_and_context(impl)
-        self.manager: Any = cls(num_chunks, cache_policy=policy)
+        self.manager: Any = cls(num_chunks, cache_policy=policy, enable_events=events)
         if keys is None:
             keys = make_keys(num_chunks + SPARE_KEYS, seed)
         started = time.perf_counter()
-        for lo in range(0, num_chunks, FILL_BATCH):
-            batch_keys = keys[lo : min(lo + FILL_BATCH, num_chunks)]
-            ctx = self.context_cls(f"fill-{lo}")
-            out = self.manager.prepare_store(batch_keys, ctx)
-            if out is None or len(out.keys_to_store) != len(batch_keys):
-                raise RuntimeError(f"{impl}/{policy}: fill of {num_chunks} chunks refused")
-            self.manager.complete_store(batch_keys, ctx)
+        self._store_all(keys[:num_chunks], "fill")
         self.fill_s = time.perf_counter() - started
         self.resident: dict[bytes, None] = dict.fromkeys(keys[:num_chunks])
         self.absent: deque[bytes] = deque(keys[num_chunks:])
@@ -190,6 +185,36 @@ class FilledCache:
             del self.resident[key]
         self._resident_list = None
         return count
+
+    def _store_all(self, keys: list[bytes], name: str) -> None:
+        """Store ``keys`` (absent, and room for all of them), in batches (untimed)."""
+        for lo in range(0, len(keys), FILL_BATCH):
+            batch_keys = keys[lo : lo + FILL_BATCH]
+            ctx = self.context_cls(f"{name}-{lo}")
+            out = self.manager.prepare_store(batch_keys, ctx)
+            if out is None or len(out.keys_to_store) != len(batch_keys):
+                raise RuntimeError(
+                    f"{self.impl}/{self.policy}: {name} of {len(keys)} chunks refused"
+                )
+            self.manager.complete_store(batch_keys, ctx)
+
+    def restore(self) -> None:
+        """Store the resident keys again after a ``reset_cache`` emptied the pool (untimed)."""
+        self.settle()
+        self._store_all(list(self.resident), "restore")
+
+    def top_up(self) -> None:
+        """Store absent keys into the chunks that failed stores left free, until the pool is
+        full again (untimed)."""
+        self.settle()
+        fresh = [self.absent.popleft() for _ in range(self.num_chunks - len(self.resident))]
+        self._store_all(fresh, "top-up")
+        self.resident.update(dict.fromkeys(fresh))
+        self._resident_list = None
+
+    def window(self) -> list[bytes]:
+        """``batch`` resident keys adjacent in store order (a request's prefix), anywhere."""
+        return self._resident_window()
 
     def _context(self) -> Any:
         if self._round % ROUNDS_PER_REQUEST == 0:

@@ -2,7 +2,8 @@
 
 Runs, each in its own process and all in this one invocation (so the ratios are side by side):
 ``report.py`` (FFI cases, every policy), ``scaling.py`` (size, pins, batch, memory),
-``vllm_step.py`` (scheduler-trace replay against vLLM 0.33.0's manager), ``kvoffload bench``
+``vllm_step.py`` (scheduler-trace replay against vLLM 0.33.0's manager), ``calls.py`` (the
+other calls), ``kvoffload bench``
 (the same replay against the reference, every policy) and, where ``cargo`` is on the path, the
 core crate's ``memory_floor`` example (what a lookup's memory accesses alone cost against pool
 size) and, where ``valgrind`` is, ``callgrind_ffi.py`` (instructions per key of the FFI cases,
@@ -44,6 +45,7 @@ MODES: dict[str, dict[str, list[str]]] = {
         "step": ["--requests", "2000", "--repeat", "3"],
         "bench": ["--requests", "2000", "--repeat", "3"],
         "drop": ["--requests", "1000", "--repeat", "3"],
+        "calls": ["--repeat", "3", "--scale", "0.5"],
         "targets": ["--sizes", "100000", "--repeat", "3"],
         "sizes": ["--sizes", "1000,10000,100000,1000000,10000000", "--repeat", "3"],
         "floor": ["1000", "100000", "1000000", "10000000"],
@@ -55,6 +57,7 @@ MODES: dict[str, dict[str, list[str]]] = {
         "step": ["--requests", "5000", "--repeat", "3"],
         "bench": ["--requests", "5000", "--repeat", "3"],
         "drop": ["--requests", "2000", "--repeat", "5"],
+        "calls": ["--repeat", "7"],
         "targets": ["--sizes", "100000", "--repeat", "7"],
         "sizes": ["--repeat", "5"],
         "floor": ["1000", "10000", "100000", "1000000", "10000000"],
@@ -94,6 +97,7 @@ def measure(mode: str, out: Path) -> None:
             *("--impls", "reference,rust", "--json", str(out / "bench.json")),
         ],
         "drop": [py, "context_drop.py", "--json", str(out / "drop.json")],
+        "calls": [py, "calls.py", "--json", str(out / "calls.json")],
     }
     for k in EXTRA_RUNS:
         jobs[f"report-{k}"] = [
@@ -107,7 +111,7 @@ def measure(mode: str, out: Path) -> None:
             *(py, "scaling.py", "--only", "sizes", "--impls", "rust"),
             *("--json", str(out / f"sizes-{k}.json"), *opts["sizes"]),
         ]
-    for name in ("report", "scaling", "step", "bench", "drop"):
+    for name in ("report", "scaling", "step", "bench", "drop", "calls"):
         jobs[name] += opts[name]
     if shutil.which("cargo") is not None:
         jobs["floor"] = [
@@ -159,7 +163,7 @@ def _cpus() -> str:
 def load(out: Path) -> dict[str, Any]:
     """The JSON documents of a run, by name (a missing one is absent)."""
     docs: dict[str, Any] = {}
-    for name in ("meta", "ffi", "scaling", "step", "bench", "drop", "floor", "callgrind"):
+    for name in ("meta", "ffi", "scaling", "step", "bench", "drop", "calls", "floor", "callgrind"):
         path = out / f"{name}.json"
         if path.is_file():
             docs[name] = json.loads(path.read_text())

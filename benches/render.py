@@ -165,6 +165,8 @@ def render(d: dict[str, Any], docs: Path) -> str:
         body += _ffi(d["ffi"], docs, targets, d.get("ffi_more", []))
     if "step" in d or "bench" in d:
         body += _replay(d.get("step"), d.get("bench"), docs, targets, d.get("step_more", []))
+    if "calls" in d:
+        body += _calls(d["calls"])
     if "drop" in d:
         body += _drop(d["drop"])
     floor = _floor_extra(d.get("floor"))
@@ -201,6 +203,29 @@ def render(d: dict[str, Any], docs: Path) -> str:
         out += [" ".join(cmd) for cmd in meta["commands"].values()]
         out += ["```", ""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _calls(doc: dict[str, Any]) -> list[str]:
+    """``calls.py``: every call the FFI tables do not time, one at a time, side by side."""
+    from calls import table
+
+    rows = doc.get("rows", [])
+    if not rows:
+        return []
+    out = [
+        "## The other calls (`benches/calls.py`)",
+        "",
+        f"Every call the FFI tables above do not time, against a full pool of "
+        f"{doc['chunks']:,} chunks, ns per call (fastest of {doc['repeat']} interleaved runs; "
+        "each call's inputs made untimed before it; see the script's header for each case). "
+        "`take_events` alone is slower than vLLM's: vLLM builds each event object inside the "
+        "store calls, kvoffload only when the events are drained, so the row after it times a "
+        "store with eviction and the drain together, which compares like with like.",
+        "",
+    ]
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        out += [f"### {policy}", "", *table(rows, policy), ""]
+    return out
 
 
 def _drop(rows: list[dict[str, Any]]) -> list[str]:

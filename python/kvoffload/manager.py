@@ -124,6 +124,9 @@ class CPUOffloadingManager:
         if shadow_policies and type(self) is not _ShadowedManager:
             raise InvalidArgumentError("shadow_policies is not supported by this manager class")
         self.medium: Medium = self._types.Medium.CPU
+        # Enum members read once: each read of one through its class costs more than the call.
+        self._host: CacheHitSource = self._types.CacheHitSource.HOST
+        self._events_on = bool(enable_events)
         self._core = _native.ManagerCore(
             num_chunks,
             policy,
@@ -180,8 +183,7 @@ class CPUOffloadingManager:
         """Where a hit comes from: always host memory."""
         if not isinstance(key, bytes):
             raise InvalidKeyError(f"a key must be bytes, got {type(key).__name__}")
-        host: CacheHitSource = self._types.CacheHitSource.HOST
-        return host
+        return self._host
 
     # --- loads ---
 
@@ -227,7 +229,7 @@ class CPUOffloadingManager:
 
     def take_events(self) -> Iterator[OffloadingEvent]:
         """Yield the queued events; the batch is detached at the first step."""
-        if not self._core.events_enabled:
+        if not self._events_on:
             return
         cls, medium = self._types.OffloadingEvent, self.medium
         new = cls.__new__
