@@ -605,6 +605,28 @@ def test_stats_histogram_in_observation_order(make_manager: MakeManager) -> None
     m.check_invariants()
 
 
+@pytest.mark.parametrize("sizes", [[], [3], [3, 1, 2]])
+@pytest.mark.parametrize("skipped", [None, 0, 7])
+@pytest.mark.parametrize(("chunks", "used", "pending"), [(0, 0, 0), (10, 3, 1), (4, 4, 4)])
+def test_own_stats_are_built_as_the_metric_calls_build_them(
+    sizes: list[int], skipped: int | None, chunks: int, used: int, pending: int
+) -> None:
+    # kvoffload's own payload is written out at once; any other class (here a subclass, as
+    # vLLM's) gets the set_gauge / observe_histogram / increase_counter calls. Same payload.
+    from kvoffload._common import build_stats
+    from kvoffload.types import OffloadingStats
+
+    class Called(OffloadingStats):
+        __slots__ = ()
+
+    own = build_stats(chunks, used, pending, list(sizes), skipped)
+    called = build_stats(chunks, used, pending, list(sizes), skipped, Called)
+    assert type(own) is OffloadingStats
+    assert type(called) is Called
+    assert repr(own.data) == repr(called.data)  # entries, their order and their value types
+    assert own.data == called.data
+
+
 # === Small calls =============================================================================
 
 

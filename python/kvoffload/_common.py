@@ -122,18 +122,67 @@ def build_stats(
     ``OffloadingConnectorStats`` (the same ``set_gauge``/``observe_histogram``/
     ``increase_counter`` calls).
     """
-    stats = stats_cls()
     usage = num_used / num_chunks if num_chunks > 0 else 0.0
+    write_usage = num_pending / num_chunks if num_chunks > 0 else 0.0
+    read_usage = max(usage - write_usage, 0.0)
+    if stats_cls is OffloadingStats:
+        return _own_stats(usage, allocation_sizes, write_usage, read_usage, stores_skipped)
+    stats = stats_cls()
     stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
     for size in allocation_sizes:
         stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
-    write_usage = num_pending / num_chunks if num_chunks > 0 else 0.0
-    read_usage = max(usage - write_usage, 0.0)
     stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, write_usage)
     stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, read_usage)
     if stores_skipped is not None:
         stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, stores_skipped)
     return stats
+
+
+_USAGE = CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC
+_ALLOC = CPUOffloadingMetrics.CPU_ALLOCATION_SIZE
+_WRITE = CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC
+_READ = CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC
+_SKIPPED = CPUOffloadingMetrics.STORES_SKIPPED
+#: The ``types`` entry of kvoffload's own payload, by (histogram samples?, skip counter?).
+_KINDS: dict[tuple[bool, bool], dict[str, str]] = {
+    (samples, counter): {
+        _USAGE: "gauge",
+        **({_ALLOC: "histogram"} if samples else {}),
+        _WRITE: "gauge",
+        _READ: "gauge",
+        **({_SKIPPED: "counter"} if counter else {}),
+    }
+    for samples in (False, True)
+    for counter in (False, True)
+}
+
+
+def _own_stats(
+    usage: float,
+    allocation_sizes: list[int],
+    write_usage: float,
+    read_usage: float,
+    stores_skipped: int | None,
+) -> OffloadingStats:
+    """:func:`build_stats` for kvoffload's own ``OffloadingStats``.
+
+    The payload its metric calls make (same entries, same order), written out at once instead of
+    call by call, which took most of a ``get_stats``.
+    """
+    counter = stores_skipped is not None
+    if allocation_sizes:
+        data = {
+            _USAGE: {(): usage},
+            _ALLOC: {(): list(allocation_sizes)},
+            _WRITE: {(): write_usage},
+            _READ: {(): read_usage},
+        }
+    else:
+        data = {_USAGE: {(): usage}, _WRITE: {(): write_usage}, _READ: {(): read_usage}}
+    if counter:
+        data[_SKIPPED] = {(): stores_skipped}
+    kinds = _KINDS[bool(allocation_sizes), counter].copy()
+    return OffloadingStats({"types": kinds, "data": data, "info": None})
 
 
 def stored_event(keys: list[bytes]) -> OffloadingEvent:
