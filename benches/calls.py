@@ -38,8 +38,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cases import IMPLS, KEYS_PER_OP, VLLM, FilledCache, unavailable
+from cases import IMPLS, KEYS_PER_OP, FilledCache, unavailable
 from kvoffload.workload import BLOCK_TOKENS, timer_overhead_ns
+from render import IMPL_NAMES, IMPL_ORDER
 from report import _names
 
 CALLS = (
@@ -256,9 +257,8 @@ def measure(
 def table(rows: list[dict[str, Any]], policy: str) -> list[str]:
     """A markdown table of one policy's rows: ns per call and kvoffload's ratios."""
     by = {(r["call"], r["impl"]): r["ns_per_call"] for r in rows if r["policy"] == policy}
-    impls = [i for i in IMPLS if any(imp == i for _c, imp in by)]
-    impls.sort(key=lambda i: ("rust", "reference", VLLM).index(i))
-    names = {"rust": "kvoffload", "reference": "reference", VLLM: "vLLM 0.33.0"}
+    impls = [i for i in IMPL_ORDER if any(imp == i for _c, imp in by)]
+    names = IMPL_NAMES
     head = ["call", *(f"{names[i]} ns" for i in impls)]
     head += [f"kvoffload vs {names[i]}" for i in impls if i != "rust" and "rust" in impls]
     out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
