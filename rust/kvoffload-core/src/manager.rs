@@ -881,7 +881,8 @@ impl Manager {
     }
 
     /// Finish stores: pending keys become ready (`success`) or are dropped (failure). Other keys
-    /// are ignored. At most one event is queued. Returns the chunks freed (failure only).
+    /// are ignored. At most one event is queued. Returns the chunks freed (failure only), in a
+    /// vector from [`recycle::take`] that a caller done with it may hand back.
     pub fn complete_store(&mut self, keys: &[&[u8]], success: bool) -> Vec<ChunkId> {
         self.complete_store_hinted(keys, Hints::NONE, success)
     }
@@ -895,7 +896,12 @@ impl Manager {
         success: bool,
     ) -> Vec<ChunkId> {
         self.apply_releases();
-        let mut freed = Vec::new();
+        // A failure frees each key's chunk: room for all of them at once, from a kept buffer.
+        let mut freed = if success {
+            Vec::new()
+        } else {
+            recycle::take(keys.len())
+        };
         let mut done: Vec<KeyBuf> = Vec::new();
         let keep = self.events.is_some() && self.event_keys == EventKeys::Copies;
         let found = self.resolve_hinted(keys, hints);

@@ -167,7 +167,9 @@ fn complete_stores(
     let freed = m.queuing(Some(addrs), |m| {
         m.complete_store_hinted(keys, guesses.hints(), success)
     });
-    m.take_keys(&freed)
+    let objs = m.take_keys(&freed);
+    recycle::give(freed);
+    objs
 }
 
 /// Touch `keys` (at `addrs`). Guesses only when the first key has one (a touch of the keys
