@@ -9,7 +9,14 @@
 //! - `lookup_miss`: `lookup` of 32 keys never stored (misses: what a scheduler's lookup of a
 //!   request's blocks meets at the end of its cached prefix);
 //! - `touch`: `touch` of 32 random resident keys;
-//! - `request_finished`: `on_request_finished` of a request that loaded 32 keys, with positions.
+//! - `request_finished`: `on_request_finished` of a request that loaded 32 keys, with positions;
+//! - `store_fail`: `prepare_store` of 32 new keys into a full cache with 32 free chunks (a failed
+//!   store left them) + `complete_store(failure)`, which frees them again;
+//! - `lookup_prefix`: `lookup_prefix` of 32 random resident keys (every key a hit);
+//! - `store_events`: `store_evict` on a manager with events on, set up as the Python binding
+//!   sets it up (events name chunks), each batch's two events drained after its store;
+//! - `reset_cache`: `reset_cache` of a full cache, reported per resident chunk (each sample
+//!   refills the cache, outside the timed code, so this op runs fewer, shorter samples).
 //!
 //! The workload is in `common`; filling the cache and making inputs happen outside the timed
 //! code. On 64-bit Linux the timed code is measured in this thread's CPU time rather than wall
@@ -24,8 +31,11 @@
 
 mod common;
 
-use common::{refs, run_finish, run_load, run_lookup, run_store, run_touch, Workload, BATCH};
-use criterion::{BenchmarkId, Criterion, Throughput};
+use common::{
+    refs, run_finish, run_load, run_lookup, run_lookup_prefix, run_reset, run_store,
+    run_store_events, run_store_fail, run_touch, Workload, BATCH,
+};
+use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
 use kvoffload_core::PolicyKind;
 use std::time::Duration;
 
@@ -44,17 +54,26 @@ enum Op {
     LookupMiss,
     Touch,
     Finish,
+    StoreFail,
+    LookupPrefix,
+    StoreEvents,
+    Reset,
 }
 
 impl Op {
-    /// In run order: stores first, since they change the resident set the others draw from.
-    const ALL: [Op; 6] = [
+    /// In run order: stores first, since they change the resident set the others draw from;
+    /// the reset last, since it leaves a cache of another history (ARC's ghosts are gone).
+    const ALL: [Op; 10] = [
         Op::Store,
+        Op::StoreFail,
         Op::Load,
         Op::Lookup,
         Op::LookupMiss,
+        Op::LookupPrefix,
         Op::Touch,
         Op::Finish,
+        Op::StoreEvents,
+        Op::Reset,
     ];
 
     fn name(self) -> &'static str {
@@ -65,7 +84,24 @@ impl Op {
             Op::LookupMiss => "lookup_miss",
             Op::Touch => "touch",
             Op::Finish => "request_finished",
+            Op::StoreFail => "store_fail",
+            Op::LookupPrefix => "lookup_prefix",
+            Op::StoreEvents => "store_events",
+            Op::Reset => "reset_cache",
         }
+    }
+
+    /// Keys (chunks, for the reset) an iteration handles, on a cache of `size` chunks.
+    fn keys(self, size: u32) -> usize {
+        match self {
+            Op::Reset => size as usize,
+            _ => BATCH,
+        }
+    }
+
+    /// Whether the op changes the resident keys (the others draw from a snapshot of them).
+    fn changes_resident(self) -> bool {
+        matches!(self, Op::Store | Op::StoreFail)
     }
 }
 
@@ -106,8 +142,9 @@ fn elapsed_since(start: Duration) -> Duration {
     now().saturating_sub(start)
 }
 
-/// Make the inputs of `batches` batches of `op`, then time just the operation on them.
-fn time_block(w: &mut Workload, op: Op, batches: usize) -> Duration {
+/// Make the inputs of `batches` batches of `op`, then time just the operation on them
+/// (`events`: the workload with events on, for [`Op::StoreEvents`]).
+fn time_block(w: &mut Workload, events: &mut Workload, op: Op, batches: usize) -> Duration {
     match op {
         Op::Store => {
             let keys = w.fresh_keys(batches);
@@ -155,6 +192,46 @@ fn time_block(w: &mut Workload, op: Op, batches: usize) -> Duration {
             run_finish(&mut w.manager, &mut reqs);
             elapsed_since(start)
         }
+        Op::StoreFail => {
+            let keys = w.fresh_keys(batches);
+            let keys = refs(&keys);
+            let mut reqs = w.requests(batches);
+            w.free_batch();
+            let start = now();
+            run_store_fail(&mut w.manager, &keys, &mut reqs);
+            let elapsed = elapsed_since(start);
+            w.top_up();
+            elapsed
+        }
+        Op::LookupPrefix => {
+            let keys = w.random_resident(batches);
+            let keys = refs(&keys);
+            let start = now();
+            let hits = run_lookup_prefix(&w.manager, &keys);
+            let elapsed = elapsed_since(start);
+            assert_eq!(hits, keys.len(), "every key hits");
+            elapsed
+        }
+        Op::StoreEvents => {
+            let keys = events.fresh_keys(batches);
+            let keys = refs(&keys);
+            let mut reqs = events.requests(batches);
+            let start = now();
+            let n = run_store_events(&mut events.manager, &keys, &mut reqs);
+            let elapsed = elapsed_since(start);
+            assert_eq!(n, 2 * batches, "an eviction and a store event per batch");
+            elapsed
+        }
+        Op::Reset => {
+            let mut total = Duration::ZERO;
+            for _ in 0..batches {
+                w.refill();
+                let start = now();
+                run_reset(&mut w.manager);
+                total += elapsed_since(start);
+            }
+            total
+        }
     }
 }
 
@@ -163,6 +240,7 @@ fn time_block(w: &mut Workload, op: Op, batches: usize) -> Duration {
 fn bench_op(
     c: &mut Criterion,
     w: &mut Workload,
+    events: &mut Workload,
     op: Op,
     policy: PolicyKind,
     size: u32,
@@ -170,15 +248,25 @@ fn bench_op(
     // (iterations, time) of every call, warm-up included; at the default sample size the last
     // `SAMPLES` calls are the measurement samples.
     let mut calls: Vec<(u64, Duration)> = Vec::new();
+    let keys = op.keys(size);
     let mut group = c.benchmark_group(op.name());
-    group.throughput(Throughput::Elements(BATCH as u64));
+    group.throughput(Throughput::Elements(keys as u64));
+    if op == Op::Reset {
+        // Every iteration refills the cache outside the timed code (about a hundred times the
+        // reset's own time): few, equal samples keep the wall time in bounds.
+        group
+            .sampling_mode(SamplingMode::Flat)
+            .sample_size(SAMPLES.min(10))
+            .warm_up_time(Duration::from_millis(20))
+            .measurement_time(Duration::from_millis(50));
+    }
     group.bench_function(BenchmarkId::new(policy_name(policy), size), |b| {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             let mut left = iters as usize;
             while left > 0 {
                 let n = left.min(BLOCK);
-                total += time_block(w, op, n);
+                total += time_block(w, events, op, n);
                 left -= n;
             }
             calls.push((iters, total));
@@ -186,10 +274,15 @@ fn bench_op(
         });
     });
     group.finish();
-    let samples = &calls[calls.len().saturating_sub(SAMPLES)..];
+    let wanted = if op == Op::Reset {
+        SAMPLES.min(10)
+    } else {
+        SAMPLES
+    };
+    let samples = &calls[calls.len().saturating_sub(wanted)..];
     let mut per_key: Vec<f64> = samples
         .iter()
-        .map(|&(iters, t)| t.as_secs_f64() * 1e9 / (iters as f64 * BATCH as f64))
+        .map(|&(iters, t)| t.as_secs_f64() * 1e9 / (iters as f64 * keys as f64))
         .collect();
     per_key.sort_by(f64::total_cmp);
     per_key.get(per_key.len() / 2).copied()
@@ -218,7 +311,7 @@ impl Results {
         );
         let header: Vec<String> = sizes.iter().map(|s| format!("{s:>10}")).collect();
         println!(
-            "{:<18}{:<6}{} {:>8}",
+            "{:<18}{:<10}{} {:>8}",
             "op",
             "policy",
             header.join(""),
@@ -239,7 +332,7 @@ impl Results {
                     _ => "-".to_owned(),
                 };
                 println!(
-                    "{:<18}{:<6}{} {:>8}",
+                    "{:<18}{:<10}{} {:>8}",
                     op.name(),
                     policy_name(policy),
                     cells.join(""),
@@ -267,15 +360,20 @@ fn main() {
     for (_, policy) in PolicyKind::ALL {
         for &size in sizes {
             let mut w = Workload::new(policy, size);
+            let mut events = Workload::with_events(policy, size);
             for op in Op::ALL {
-                if let Some(ns) = bench_op(&mut c, &mut w, op, policy, size) {
+                if let Some(ns) = bench_op(&mut c, &mut w, &mut events, op, policy, size) {
                     results.0.push((op, policy, size, ns));
                 }
-                if op == Op::Store {
+                if op.changes_resident() {
                     w.snapshot();
                 }
             }
             w.manager.validate().expect("the manager's invariants hold");
+            events
+                .manager
+                .validate()
+                .expect("the manager's invariants hold");
         }
     }
     c.final_summary();

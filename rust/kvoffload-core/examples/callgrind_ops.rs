@@ -10,13 +10,18 @@
 //! ```
 //!
 //! Each `run_*` function handles `batches` batches of 32 keys, so its inclusive Ir divided by
-//! `32 * batches` is the instruction count per key. The cache fill and the inputs are made
-//! outside the `run_*` functions and so are not counted.
+//! `32 * batches` is the instruction count per key; `run_reset` resets the full cache once, so
+//! its Ir divided by `num_chunks` is the count per chunk. The cache fill and the inputs are made
+//! outside the `run_*` functions and so are not counted. `run_store_events` runs on a second
+//! manager, with events on.
 
 #[path = "../benches/common/mod.rs"]
 mod common;
 
-use common::{refs, run_finish, run_load, run_lookup, run_store, run_touch, Workload, BATCH};
+use common::{
+    refs, run_finish, run_load, run_lookup, run_lookup_prefix, run_reset, run_store,
+    run_store_events, run_store_fail, run_touch, Workload, BATCH,
+};
 use kvoffload_core::PolicyKind;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -96,4 +101,32 @@ fn main() {
 
     let mut reqs = w.finish_input(batches);
     counted("finish", n, || run_finish(&mut w.manager, &mut reqs));
+
+    let keys = w.fresh_keys(batches);
+    let (keys, mut reqs) = (refs(&keys), w.requests(batches));
+    w.free_batch();
+    counted("fail", n, || {
+        run_store_fail(&mut w.manager, &keys, &mut reqs);
+    });
+    w.top_up();
+    w.snapshot();
+
+    let keys = w.random_resident(batches);
+    let keys = refs(&keys);
+    let hits = counted("prefix", n, || run_lookup_prefix(&w.manager, &keys));
+    assert_eq!(hits, n, "every key hits");
+
+    counted("reset", size as usize, || run_reset(&mut w.manager));
+
+    let mut e = Workload::with_events(policy, size);
+    let keys = e.fresh_keys(batches);
+    let (keys, mut reqs) = (refs(&keys), e.requests(batches));
+    let events = counted("events", n, || {
+        run_store_events(&mut e.manager, &keys, &mut reqs)
+    });
+    assert_eq!(
+        events,
+        2 * batches,
+        "an eviction and a store event per batch"
+    );
 }

@@ -9,6 +9,9 @@
 //! The `run_*` functions are exactly the measured code; their inputs (keys, request states) are
 //! made beforehand by `Workload`'s methods, outside any measurement. They are `inline(never)` so
 //! that callgrind can attribute instructions to each of them.
+//!
+//! Not every item is used by both includers (each compiles this module on its own).
+#![allow(dead_code)]
 
 use kvoffload_core::{Manager, ManagerConfig, PolicyKind, RequestState};
 use std::hint::black_box;
@@ -75,15 +78,30 @@ impl Workload {
     /// A manager of `num_chunks` chunks (no events, no admission threshold) that has stored
     /// `2 * num_chunks` fresh keys, 32 per request, every store completed.
     pub(crate) fn new(policy: PolicyKind, num_chunks: u32) -> Self {
-        let manager = Manager::new(&ManagerConfig {
+        Self::build(policy, num_chunks, false)
+    }
+
+    /// [`new`](Self::new) with events on, set up as the Python binding sets its manager up:
+    /// events name chunks instead of copying keys, and a store's outcome carries no evicted
+    /// keys. The fill's events are drained.
+    pub(crate) fn with_events(policy: PolicyKind, num_chunks: u32) -> Self {
+        Self::build(policy, num_chunks, true)
+    }
+
+    fn build(policy: PolicyKind, num_chunks: u32, events: bool) -> Self {
+        let mut manager = Manager::new(&ManagerConfig {
             num_chunks,
             policy,
-            enable_events: false,
+            enable_events: events,
             store_threshold: 1,
             max_tracker_size: 1,
             admission: kvoffload_core::Admission::default(),
         })
         .expect("valid manager config");
+        if events {
+            manager.set_event_chunks(true);
+            manager.set_evicted_keys(false);
+        }
         let mut w = Self {
             manager,
             next_key: 0,
@@ -96,6 +114,7 @@ impl Workload {
             let keys = w.fresh_keys(n);
             let mut reqs = w.requests(n);
             store_batches(&mut w.manager, &refs(&keys), &mut reqs);
+            drop_events(&mut w.manager);
             left -= n;
         }
         w.snapshot();
@@ -140,6 +159,52 @@ impl Workload {
             keys.extend(picked.iter().map(|&i| self.resident[i]));
         }
         keys
+    }
+
+    /// The cache's capacity in chunks.
+    pub(crate) fn capacity(&self) -> u32 {
+        self.manager.pool_state().0
+    }
+
+    /// Store one batch of fresh keys (unmeasured): after [`free_batch`](Self::free_batch) or
+    /// [`run_store_fail`], it fills the batch of free chunks they left, so the cache is full
+    /// again.
+    pub(crate) fn top_up(&mut self) {
+        let keys = self.fresh_keys(1);
+        let mut reqs = self.requests(1);
+        store_batches(&mut self.manager, &refs(&keys), &mut reqs);
+    }
+
+    /// Leave one batch of chunks free in a full cache (unmeasured): a batch of fresh keys is
+    /// placed (evicting as many) and its store fails. The input state of [`run_store_fail`].
+    pub(crate) fn free_batch(&mut self) {
+        let keys = self.fresh_keys(1);
+        let mut reqs = self.requests(1);
+        run_store_fail(&mut self.manager, &refs(&keys), &mut reqs);
+    }
+
+    /// Fill an emptied cache with fresh keys (unmeasured), one request per batch: the input
+    /// state of [`run_reset`].
+    pub(crate) fn refill(&mut self) {
+        let mut left = self.capacity() as usize;
+        while left > 0 {
+            let batches = (left / BATCH).clamp(1, FILL_BLOCK);
+            let keys = self.fresh_keys(batches);
+            let keys = refs(&keys);
+            let keys = &keys[..left.min(keys.len())];
+            let mut reqs = self.requests(batches);
+            for (batch, req) in keys.chunks(BATCH).zip(&mut reqs) {
+                let outcome = self
+                    .manager
+                    .prepare_store(batch, None, req)
+                    .expect("a legal offer")
+                    .expect("room for the batch");
+                outcome.recycle();
+                self.manager.complete_store(batch, true);
+            }
+            drop_events(&mut self.manager);
+            left -= keys.len();
+        }
     }
 
     /// `n` fresh request states.
@@ -198,6 +263,68 @@ fn load_batches(m: &mut Manager, keys: &[&[u8]], reqs: &mut [RequestState]) {
         kvoffload_core::recycle::give(chunks);
         m.complete_load(batch).expect("keys being loaded");
     }
+}
+
+/// Per batch, one new request: `prepare_store` of the batch with positions, then
+/// `complete_store(failure)`, which frees the chunks it was given. In a full cache the first
+/// batch evicts; later ones reuse the chunks the one before freed.
+#[inline(never)]
+pub(crate) fn run_store_fail(m: &mut Manager, keys: &[&[u8]], reqs: &mut [RequestState]) {
+    for (batch, req) in keys.chunks_exact(BATCH).zip(reqs) {
+        let outcome = m
+            .prepare_store(batch, Some(&POSITIONS), req)
+            .expect("a legal offer")
+            .expect("room for the batch");
+        black_box(&outcome);
+        outcome.recycle();
+        let freed = m.complete_store(batch, false);
+        black_box(&freed);
+        kvoffload_core::recycle::give(freed);
+    }
+}
+
+/// [`run_store`] on a manager with events on, each batch's events drained after its store
+/// (as a scheduler drains them every step); returns the number of events.
+#[inline(never)]
+pub(crate) fn run_store_events(
+    m: &mut Manager,
+    keys: &[&[u8]],
+    reqs: &mut [RequestState],
+) -> usize {
+    let mut events = 0;
+    for (batch, req) in keys.chunks_exact(BATCH).zip(reqs) {
+        store_batches(m, batch, std::slice::from_mut(req));
+        events += drop_events(m);
+    }
+    events
+}
+
+/// Drain the queued events, handing their vectors back as the Python binding does; returns
+/// how many there were.
+fn drop_events(m: &mut Manager) -> usize {
+    let mut n = 0;
+    for event in m.drain_events() {
+        black_box(&event);
+        kvoffload_core::recycle::give(event.keys);
+        kvoffload_core::recycle::give(event.chunks);
+        kvoffload_core::recycle::give(event.positions);
+        n += 1;
+    }
+    n
+}
+
+/// `reset_cache`.
+#[inline(never)]
+pub(crate) fn run_reset(m: &mut Manager) {
+    m.reset_cache();
+}
+
+/// `lookup_prefix` of each batch; returns the number of leading hits, summed.
+#[inline(never)]
+pub(crate) fn run_lookup_prefix(m: &Manager, keys: &[&[u8]]) -> usize {
+    keys.chunks_exact(BATCH)
+        .map(|batch| m.lookup_prefix(black_box(batch)))
+        .sum()
 }
 
 /// `lookup` of every key; returns the number of hits.
