@@ -38,6 +38,8 @@ pub struct LfuPolicy {
     /// Sum of the counts of the resident chunks.
     total: usize,
     resident: usize,
+    /// A queue's chunks while aging moves them (kept, so that aging allocates nothing).
+    scratch: Vec<ChunkId>,
 }
 
 impl LfuPolicy {
@@ -53,14 +55,17 @@ impl LfuPolicy {
 
     /// Halve every count, keeping each queue's order (see the module docs).
     fn age(&mut self) {
+        // Lowest count first: each queue's chunks join the newest end of a queue already done.
+        let mut chunks = std::mem::take(&mut self.scratch);
         for n in 1..=MAX_COUNT {
-            for c in self.queues.linked(n) {
+            self.queues.linked_into(n, &mut chunks);
+            for &c in &chunks {
                 self.queues.move_to(c, n / 2, true);
             }
-            for c in self.queues.parked(n) {
-                self.queues.retarget_parked(c, n / 2);
-            }
         }
+        self.scratch = chunks;
+        // Parked chunks have no order to keep.
+        self.queues.retarget_parked_all(|n| n / 2);
         self.total = (0..=MAX_COUNT).map(|n| n * self.queues.len(n)).sum();
     }
 
@@ -125,7 +130,11 @@ impl CachePolicy for LfuPolicy {
     }
 
     fn clear(&mut self) {
-        *self = Self::new();
+        let scratch = std::mem::take(&mut self.scratch);
+        *self = Self {
+            scratch,
+            ..Self::new()
+        };
     }
 
     fn mark_evictable(&mut self, chunk: ChunkId) {

@@ -206,12 +206,28 @@ impl<const N: usize> Queues<N> {
     /// Linked entries of queue `q`, oldest first.
     pub(crate) fn linked(&self, q: usize) -> Vec<ChunkId> {
         let mut v = Vec::new();
+        self.linked_into(q, &mut v);
+        v
+    }
+
+    /// [`linked`](Self::linked) into `out` (cleared first), reusing its buffer.
+    pub(crate) fn linked_into(&self, q: usize, out: &mut Vec<ChunkId>) {
+        out.clear();
         let mut c = self.ends[q].0;
-        while c != NIL && v.len() < self.queue.len() {
-            v.push(c);
+        while c != NIL && out.len() < self.queue.len() {
+            out.push(c);
             c = self.newer[c as usize];
         }
-        v
+    }
+
+    /// Move every parked chunk from its queue `q` to queue `to(q)`, still parked.
+    pub(crate) fn retarget_parked_all(&mut self, to: impl Fn(usize) -> usize) {
+        for i in 0..self.queue.len() {
+            if self.parked[i] {
+                let q = to(usize::from(self.queue[i]));
+                self.retarget_parked(i as ChunkId, q);
+            }
+        }
     }
 
     /// Parked entries of queue `q`, by chunk id.
