@@ -65,6 +65,19 @@ MODES: dict[str, dict[str, list[str]]] = {
     },
 }
 
+#: The JSON documents a run leaves, by name (``core``: ``callgrind_core.py``'s counts).
+DOCUMENTS = (
+    "meta",
+    "ffi",
+    "scaling",
+    "step",
+    "bench",
+    "drop",
+    "calls",
+    "floor",
+    "callgrind",
+    "core",
+)
 #: Runs of the target cases beyond the main one (``ffi-2.json``, ``step-2.json``, ``sizes-2.json``).
 EXTRA_RUNS = (2, 3)
 TARGET_OPS = "store_evict,load_complete,lookup,lookup_prefix"
@@ -126,6 +139,8 @@ def measure(mode: str, out: Path) -> None:
             *(py, "callgrind_ffi.py", "--impls", "rust,vllm", "--policies", "lru,arc"),
             *("--json", str(out / "callgrind.json"), *opts["callgrind"]),
         ]
+        if shutil.which("cargo") is not None:
+            jobs["core"] = [py, "callgrind_core.py", "--json", str(out / "core.json")]
     else:
         print("make_report: no valgrind: the instruction counts are left out", file=sys.stderr)
     for name, cmd in jobs.items():
@@ -163,7 +178,7 @@ def _cpus() -> str:
 def load(out: Path) -> dict[str, Any]:
     """The JSON documents of a run, by name (a missing one is absent)."""
     docs: dict[str, Any] = {}
-    for name in ("meta", "ffi", "scaling", "step", "bench", "drop", "calls", "floor", "callgrind"):
+    for name in DOCUMENTS:
         path = out / f"{name}.json"
         if path.is_file():
             docs[name] = json.loads(path.read_text())
