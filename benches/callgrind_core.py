@@ -142,13 +142,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _commit() -> str | None:
-    """The checked-out commit (with ``+`` when the tree has changes), if git can tell."""
+    """The checked-out commit (with ``+`` when the Rust sources counted have changes), if git
+    can tell."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
         )
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--", "rust", "Cargo.toml", "Cargo.lock"],
             cwd=ROOT,
             capture_output=True,
             text=True,
