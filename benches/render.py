@@ -240,11 +240,11 @@ def _core_callgrind(doc: dict[str, Any]) -> list[str]:
     """The instruction counts of ``callgrind_core.py``: a section with their table."""
     rows = doc["rows"]
     first = rows[0] if rows else {}
-    commit = f" on {doc['commit']}" if doc.get("commit") else ""
+    commit = f", measured on {doc['commit']}" if doc.get("commit") else ""
     out = [
         "## Instructions per key in the core (callgrind)",
         "",
-        f"`benches/callgrind_core.py`, in this run{commit}: the core alone, no Python, "
+        f"`benches/callgrind_core.py`{commit}: the core alone, no Python, "
         "`rust/kvoffload-core/examples/callgrind_ops.rs` under `valgrind --tool=callgrind` "
         f"({first.get('batches', 0):,} batches of 32 keys a call, a full cache of "
         f"{first.get('chunks', 0):,} chunks that has stored twice its size, each batch stored or "

@@ -110,7 +110,7 @@ def test_the_page_has_the_counts_only_when_the_run_made_them(
     assert both.index("FFI cases (callgrind)") < both.index(
         "## Instructions per key in the core (callgrind)"
     )
-    assert "in this run on abc1234" in both
+    assert "`benches/callgrind_core.py`, measured on abc1234:" in both
 
 
 def _core(policy: str, op: str, per_key: float, allocations: float | None) -> dict[str, Any]:
