@@ -1230,22 +1230,27 @@ impl ManagerCore {
     /// Detach the queued events as `(keys, removed, metadata_only)` tuples.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<(Bound<'py, PyList>, bool, bool)>> {
         // The events moved out of the manager first, then any it still holds (newer).
-        let (events, objs) = {
+        // The queues leave with their buffers and get kept ones in their place, so that the
+        // calls queuing the next events do not grow them from nothing.
+        let (mut events, mut objs) = {
             let mut m = self.lock(py)?;
-            let mut events = std::mem::take(&mut m.events);
+            let mut events = std::mem::replace(&mut m.events, recycle::take(0));
             events.extend(m.take_events().into_iter().map(|e| KeptEvent {
                 keys: KeptKeys::Bytes(e.keys),
                 removed: e.removed,
                 metadata_only: e.metadata_only,
             }));
-            (events, std::mem::take(&mut m.event_objs))
+            (
+                events,
+                std::mem::replace(&mut m.event_objs, recycle::take(0)),
+            )
         };
-        let mut objs = objs.into_iter();
-        events
-            .into_iter()
+        let mut remaining = objs.drain(..);
+        let taken = events
+            .drain(..)
             .map(|e| {
                 let keys = match e.keys {
-                    KeptKeys::Objects(n) => PyList::new(py, objs.by_ref().take(n))?,
+                    KeptKeys::Objects(n) => PyList::new(py, remaining.by_ref().take(n))?,
                     KeptKeys::Bytes(keys) => {
                         PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k)))?
                     }
@@ -1256,7 +1261,11 @@ impl ManagerCore {
                 };
                 Ok((keys, e.removed, e.metadata_only))
             })
-            .collect()
+            .collect();
+        drop(remaining);
+        recycle::give(objs);
+        recycle::give(events);
+        taken
     }
 
     /// The keys of `keys` that are not resident (in order).
