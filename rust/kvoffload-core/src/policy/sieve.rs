@@ -48,6 +48,8 @@ pub struct SievePolicy {
     /// Per-chunk mark of the victims chosen by the current sweep.
     chosen: Vec<u64>,
     sweep: u64,
+    /// The chunks whose bit a sweep cleared (kept, so that a sweep allocates nothing).
+    cleared: Vec<ChunkId>,
 }
 
 impl SievePolicy {
@@ -168,7 +170,8 @@ impl CachePolicy for SievePolicy {
         // Steps since the sweep last chose a victim or cleared a bit: a full turn of the queue
         // without either means no victim is left (the manager rules that out; this is a guard).
         let mut idle = 0usize;
-        let mut cleared: Vec<ChunkId> = Vec::new();
+        let mut cleared = std::mem::take(&mut self.cleared);
+        cleared.clear();
         let saved_hand = self.hand;
         let mut cur = self.hand;
         while out.len() - start < n {
@@ -209,8 +212,10 @@ impl CachePolicy for SievePolicy {
             if self.hand != NIL && self.place[self.hand as usize] != Where::Queue {
                 self.hand = NIL;
             }
+            self.cleared = cleared;
             return false;
         }
+        self.cleared = cleared;
         self.hand = cur;
         for &c in &out[start..] {
             self.unlink(c);
