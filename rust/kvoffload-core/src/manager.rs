@@ -1065,14 +1065,16 @@ impl Manager {
         self.events.is_some()
     }
 
-    /// Counters for `get_stats`; the histogram samples and skipped count restart.
+    /// Counters for `get_stats`; the histogram samples and skipped count restart. The samples
+    /// leave in their buffer and a kept one ([`recycle::take`]) takes its place: a caller done
+    /// with them may hand theirs back, and then a stream of steps allocates nothing for them.
     pub fn take_stats(&mut self) -> RawStats {
         self.apply_releases();
         RawStats {
             num_chunks: self.pool.num_chunks(),
             num_used: self.pool.num_used() - self.slots.num_evictable(),
             num_pending: self.slots.num_pending(),
-            allocation_sizes: std::mem::take(&mut self.allocation_sizes),
+            allocation_sizes: std::mem::replace(&mut self.allocation_sizes, recycle::take(0)),
             stores_skipped: (self.tracker.is_some() || self.sketch.is_some())
                 .then(|| std::mem::take(&mut self.stores_skipped)),
         }

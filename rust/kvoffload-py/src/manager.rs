@@ -1287,13 +1287,18 @@ impl ManagerCore {
     }
 
     /// `(num_chunks, num_used, num_pending, allocation_sizes, stores_skipped or None)`.
-    fn take_stats(&self, py: Python<'_>) -> PyResult<(u32, usize, usize, Vec<u64>, Option<u64>)> {
+    fn take_stats<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(u32, usize, usize, Bound<'py, PyList>, Option<u64>)> {
         let s = self.lock(py)?.take_stats();
+        let sizes = PyList::new(py, &s.allocation_sizes)?;
+        recycle::give(s.allocation_sizes);
         Ok((
             s.num_chunks,
             s.num_used,
             s.num_pending,
-            s.allocation_sizes,
+            sizes,
             s.stores_skipped,
         ))
     }
