@@ -13,21 +13,20 @@ use std::cell::RefCell;
 
 /// Element layouts (size, alignment) whose buffers are kept; other element types simply
 /// allocate.
-const CLASSES: [(usize, usize); 10] = [
+const CLASSES: [(usize, usize); 9] = [
     (4, 4),
     (8, 4),
     (8, 8),
     (16, 8),
     (24, 8),
     (32, 8),
-    (40, 8),
     (48, 8),
     (56, 8),
     (64, 8),
 ];
 /// Buffers kept per layout: enough for the vectors one call holds at once (the manager's
 /// per-call scratch lists included), so a store with eviction allocates none. A thread keeps
-/// at most 16 x 10 x 64 KiB (10 MiB) this way, and a few KiB for batches of scheduler size.
+/// at most 16 x 9 x 64 KiB (9 MiB) this way, and a few KiB for batches of scheduler size.
 const PER_CLASS: usize = 16;
 /// The largest buffer kept (larger ones are freed: a rare huge call does not pin its memory).
 pub const MAX_BYTES: usize = 64 * 1024;
