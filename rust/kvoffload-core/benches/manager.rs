@@ -1,6 +1,6 @@
 //! Criterion benchmarks of the core [`Manager`](kvoffload_core::Manager): the per-key cost of
-//! its hot operations, every built-in policy, at 10^3, 10^5 and 10^6 chunks, each on batches of 32
-//! 36-byte keys (reported per key through `Throughput::Elements(32)`):
+//! every call, every built-in policy, at 10^3, 10^5 and 10^6 chunks, on batches of 32 36-byte
+//! keys (reported per key through `Throughput::Elements(32)`; the reset per chunk):
 //!
 //! - `store_evict`: `prepare_store` of 32 new keys into a full cache of evictable chunks (32
 //!   evictions) + `complete_store(success)`: steady-state churn;
@@ -24,10 +24,10 @@
 //! pollution by them still is). After criterion's report a table gives ns/key per op, policy and
 //! size, and the ratio of the 10^6-chunk to the 10^3-chunk cost.
 //!
-//! Run `cargo bench -p kvoffload-core --bench manager` (two to three minutes; criterion's
+//! Run `cargo bench -p kvoffload-core --bench manager` (about ten minutes; criterion's
 //! `--measurement-time`, `--sample-size` and filters apply). Under `cargo test --benches` only
 //! the smallest size runs, once, as a smoke test. For instruction counts, see
-//! `examples/callgrind_ops.rs`.
+//! `examples/callgrind_ops.rs` and `benches/callgrind_core.py` at the repository root.
 
 mod common;
 
