@@ -25,12 +25,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cases import POLICIES
 from render import CORE_OPS, core_table
 from report import _names
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Every built-in policy, in the core's order (``PolicyKind::ALL``).
-POLICIES = ("lru", "arc", "fifo", "sieve", "s3fifo", "2q", "slru", "lfu", "arc-paper")
 #: Keys a batch (the example's ``BATCH``).
 BATCH = 32
 #: A line of ``callgrind_annotate --inclusive=yes``: ``25,312,963 (22.98%)  ???:...::run_store``.

@@ -43,6 +43,8 @@ use std::time::Duration;
 const SIZES: [u32; 3] = [1_000, 100_000, 1_000_000];
 /// Samples per benchmark (criterion's minimum is 10).
 const SAMPLES: usize = 20;
+/// Samples of `reset_cache`, each of which refills the cache outside the timed code.
+const RESET_SAMPLES: usize = 10;
 /// Batches per timed block: inputs of one block are made, then the block is timed.
 const BLOCK: usize = 256;
 
@@ -256,7 +258,7 @@ fn bench_op(
         // reset's own time): few, equal samples keep the wall time in bounds.
         group
             .sampling_mode(SamplingMode::Flat)
-            .sample_size(SAMPLES.min(10))
+            .sample_size(RESET_SAMPLES)
             .warm_up_time(Duration::from_millis(20))
             .measurement_time(Duration::from_millis(50));
     }
@@ -275,7 +277,7 @@ fn bench_op(
     });
     group.finish();
     let wanted = if op == Op::Reset {
-        SAMPLES.min(10)
+        RESET_SAMPLES
     } else {
         SAMPLES
     };

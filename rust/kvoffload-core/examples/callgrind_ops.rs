@@ -19,48 +19,17 @@
 mod common;
 
 use common::{
-    refs, run_finish, run_load, run_lookup, run_lookup_prefix, run_reset, run_store,
-    run_store_events, run_store_fail, run_touch, Workload, BATCH,
+    allocations, refs, run_finish, run_load, run_lookup, run_lookup_prefix, run_reset, run_store,
+    run_store_events, run_store_fail, run_touch, CountingAllocator, Workload, BATCH,
 };
 use kvoffload_core::PolicyKind;
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
-
-/// Heap allocations (and reallocations) since the start.
-static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
-
-/// The system allocator, counting allocations in [`ALLOCATIONS`].
-struct CountingAllocator;
-
-// SAFETY: every method forwards its arguments unchanged to `System`, which upholds the
-// `GlobalAlloc` contract; counting touches no memory the allocator hands out.
-unsafe impl GlobalAlloc for CountingAllocator {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller's contract for `alloc` is the one `System.alloc` requires.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from this allocator, hence from `System`, with this `layout`.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: `ptr` came from `System` with `layout`; the caller guarantees `new_size`.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
 
 /// Run `op` and print its allocations per key (`keys` keys in all).
 fn counted<T>(name: &str, keys: usize, op: impl FnOnce() -> T) -> T {
-    let before = ALLOCATIONS.load(Ordering::Relaxed);
-    let out = op();
-    let n = ALLOCATIONS.load(Ordering::Relaxed) - before;
+    let (n, out) = allocations(op);
     println!("{name:<8} {:.3} allocations/key", n as f64 / keys as f64);
     out
 }

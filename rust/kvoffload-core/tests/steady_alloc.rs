@@ -1,6 +1,6 @@
 //! The manager's steady state allocates nothing of its own: every call, for every built-in
 //! policy, on a full cache that has stored twice its size (the criterion bench's workload,
-//! `benches/common`), counted by a global allocator that counts this thread's allocations. What
+//! `benches/common`), counted by its allocator, which counts this thread's allocations. What
 //! a call may allocate is a new request's own state (its seen keys and their index) the first
 //! time that request records keys, at most [`PER_NEW_REQUEST`] allocations once per request,
 //! and now and then a kept buffer grown to a new length ([`SLACK`] over a run of calls).
@@ -9,12 +9,10 @@
 mod common;
 
 use common::{
-    refs, run_finish, run_load, run_lookup, run_lookup_prefix, run_reset, run_store,
-    run_store_events, run_store_fail, run_touch, Workload,
+    allocations, refs, run_finish, run_load, run_lookup, run_lookup_prefix, run_reset, run_store,
+    run_store_events, run_store_fail, run_touch, CountingAllocator, Workload,
 };
 use kvoffload_core::PolicyKind;
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 
 /// Allocations a new request's state makes when it first records keys.
 const PER_NEW_REQUEST: u64 = 3;
@@ -35,57 +33,8 @@ const CHUNKS: u32 = 1_000;
 /// grow the few per-manager scratch lists to their working size, as earlier traffic would).
 const ROUNDS: usize = 3;
 
-thread_local! {
-    /// Allocations and reallocations made by this thread.
-    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
-}
-
-/// The system allocator, counting each thread's allocations in [`ALLOCATIONS`] (tests run on
-/// threads of their own, so one test's count is not another's).
-struct CountingAllocator;
-
-fn count_one() {
-    // During a thread's teardown its counter may be gone: that allocation is not a test's.
-    let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
-}
-
-// SAFETY: every method forwards its arguments unchanged to `System`, which upholds the
-// `GlobalAlloc` contract; counting touches no memory the allocator hands out (the counter is a
-// const-initialised thread-local without a destructor, so reading it never allocates).
-unsafe impl GlobalAlloc for CountingAllocator {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count_one();
-        // SAFETY: the caller's contract for `alloc` is the one `System.alloc` requires.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        count_one();
-        // SAFETY: as for `alloc`.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from this allocator, hence from `System`, with this `layout`.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count_one();
-        // SAFETY: `ptr` came from `System` with `layout`; the caller guarantees `new_size`.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
-
-/// This thread's allocations while `op` runs.
-fn allocations<T>(op: impl FnOnce() -> T) -> (u64, T) {
-    let before = ALLOCATIONS.with(Cell::get);
-    let out = op();
-    (ALLOCATIONS.with(Cell::get) - before, out)
-}
 
 /// Take the stats as a scheduler's step does, handing their samples' buffer back (uncounted).
 fn step(m: &mut kvoffload_core::Manager) {

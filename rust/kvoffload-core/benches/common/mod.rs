@@ -14,7 +14,59 @@
 #![allow(dead_code)]
 
 use kvoffload_core::{Manager, ManagerConfig, PolicyKind, RequestState};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::hint::black_box;
+
+thread_local! {
+    /// Heap allocations and reallocations made by this thread, under [`CountingAllocator`].
+    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// The system allocator, counting each thread's allocations (so that tests running on threads
+/// of their own do not count each other's). An includer that wants counts installs it:
+/// `#[global_allocator] static GLOBAL: CountingAllocator = CountingAllocator;`.
+pub(crate) struct CountingAllocator;
+
+fn count_one() {
+    // During a thread's teardown its counter may be gone: that allocation is nobody's.
+    let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+}
+
+// SAFETY: every method forwards its arguments unchanged to `System`, which upholds the
+// `GlobalAlloc` contract; counting touches no memory the allocator hands out (the counter is a
+// const-initialised thread-local without a destructor, so reading it never allocates).
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count_one();
+        // SAFETY: the caller's contract for `alloc` is the one `System.alloc` requires.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        count_one();
+        // SAFETY: as for `alloc`.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from this allocator, hence from `System`, with this `layout`.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        count_one();
+        // SAFETY: `ptr` came from `System` with `layout`; the caller guarantees `new_size`.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+/// This thread's allocations while `op` runs (zero unless [`CountingAllocator`] is installed).
+pub(crate) fn allocations<T>(op: impl FnOnce() -> T) -> (u64, T) {
+    let before = ALLOCATIONS.with(Cell::get);
+    let out = op();
+    (ALLOCATIONS.with(Cell::get) - before, out)
+}
 
 /// Keys per operation.
 pub(crate) const BATCH: usize = 32;
