@@ -24,6 +24,7 @@ as one loop; the others (``get_stats``, ``take_events``, ``reset_cache``: each n
 changed in between) one call at a time, less the cost of an empty timed region.
 
     python benches/calls.py                                # lru and arc, 10^5 chunks
+    python benches/calls.py --policies fifo,lfu            # any built-in policy (vLLM: lru, arc)
     python benches/calls.py --impls rust,vllm --chunks 1000000 --json out.json
 """
 

@@ -29,11 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cases import POLICIES
 from render import render
 
 BENCHES = Path(__file__).resolve().parent
 ROOT = BENCHES.parent
-ALL_POLICIES = "lru,arc,fifo,sieve,s3fifo,2q,slru"
+#: Every built-in policy, for the tables that cover them all (vLLM has only lru and arc).
+ALL_POLICIES = ",".join(POLICIES)
 
 MODES: dict[str, dict[str, list[str]]] = {
     "quick": {
@@ -110,7 +112,7 @@ def measure(mode: str, out: Path) -> None:
             *("--impls", "reference,rust", "--json", str(out / "bench.json")),
         ],
         "drop": [py, "context_drop.py", "--json", str(out / "drop.json")],
-        "calls": [py, "calls.py", "--json", str(out / "calls.json")],
+        "calls": [py, "calls.py", "--policies", ALL_POLICIES, "--json", str(out / "calls.json")],
     }
     for k in EXTRA_RUNS:
         jobs[f"report-{k}"] = [

@@ -172,9 +172,10 @@ def _calls(doc: dict[str, Any]) -> list[str]:
         f"Every call the FFI tables above do not time, against a full pool of "
         f"{doc['chunks']:,} chunks, ns per call (fastest of {doc['repeat']} interleaved runs; "
         "each call's inputs made untimed before it; see the script's header for each case). "
-        "`take_events` alone is slower than vLLM's: vLLM builds each event object inside the "
-        "store calls, kvoffload only when the events are drained, so the row after it times a "
-        "store with eviction and the drain together, which compares like with like.",
+        "`take_events` alone is slower than vLLM's and the reference's: both build each event "
+        "object inside the store calls, kvoffload only when the events are drained, so the row "
+        "after it times a store with eviction and the drain together, which compares like with "
+        "like. vLLM has only lru and arc; the other policies are against the reference alone.",
         "",
     ]
     for policy in dict.fromkeys(r["policy"] for r in rows):

@@ -1,5 +1,5 @@
 """pytest-benchmark of the manager's other calls (see ``calls.py``): kvoffload, the reference and
-vLLM 0.33.0 at 10^5 chunks, lru and arc.
+vLLM 0.33.0 (lru and arc, its only built-in policies) at 10^5 chunks, every built-in policy.
 
 Not part of the normal test run; run with ``pytest benches/test_bench_calls.py
 --benchmark-only``. Each round's inputs are made by the benchmark's untimed setup, so every call
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from calls import CALLS, ROUNDS, Calls
-from cases import IMPLS, VLLM_POLICIES, unavailable
+from cases import IMPLS, POLICIES, unavailable
 
 pytestmark = pytest.mark.benchmark(disable_gc=True)
 
@@ -25,7 +25,7 @@ def benches() -> dict[tuple[str, str], Calls]:
     return {}
 
 
-@pytest.mark.parametrize("policy", VLLM_POLICIES)
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("call", CALLS)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_call(
