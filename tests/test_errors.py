@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvoffload import (
+    CPUOffloadingManager,
     DuplicateKeyError,
     InvalidArgumentError,
     InvalidKeyError,
@@ -330,6 +331,25 @@ def test_tracker_size_only_checked_with_tracker(
 ) -> None:
     m = make_manager(0, store_threshold=threshold, max_tracker_size=size)
     m.check_invariants()
+
+
+@pytest.mark.parametrize("size", [2**30 + 1, 2**36, 2**40, 2**62])
+def test_tinylfu_sketch_too_wide(make_manager: MakeManager, size: int) -> None:
+    # A sketch row of max_tracker_size counters: past 2**30 a clear error, never an attempt to
+    # allocate (which once aborted the process) or an overflow.
+    with pytest.raises(InvalidArgumentError, match="2\\*\\*30"):
+        make_manager(4, store_threshold=2, max_tracker_size=size, admission="tinylfu")
+    # The tracker keeps its table by use, so the same size is fine there; and with no
+    # counting (threshold 1) the size is not read.
+    make_manager(4, store_threshold=2, max_tracker_size=size).check_invariants()
+    make_manager(4, max_tracker_size=size, admission="tinylfu").check_invariants()
+
+
+def test_tinylfu_widest_sketch_builds_lazily() -> None:
+    # The Rust sketch's table is anonymous memory: 4 GiB of counters cost only the pages that
+    # counts land in. (The reference's is a bytearray, zeroed at once: not run here.)
+    m = CPUOffloadingManager(4, store_threshold=2, max_tracker_size=2**30, admission="tinylfu")
+    assert m.prepare_store([b"k"], ReqContext(req_id="r")) is not None
 
 
 def test_unknown_policy(make_manager: MakeManager) -> None:

@@ -168,3 +168,10 @@ def test_position_out_of_int64_range_is_rejected_without_change() -> None:
             m.prepare_store([key], ctx)
         assert m.resident() == {}
     m.check_invariants()
+
+
+@pytest.mark.parametrize("size", [2**30 + 1, 2**36, 2**62])
+def test_core_refuses_a_sketch_too_wide(size: int) -> None:
+    # The core's own check, behind the Python layer's: no allocation abort, no overflow panic.
+    with pytest.raises(InvalidArgumentError, match="2\\*\\*30"):
+        _native.ManagerCore(4, "lru", False, 2, size, admission="tinylfu")

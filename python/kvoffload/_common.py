@@ -37,11 +37,20 @@ def resolve_policy(name: str, module_path: str | None) -> str | type:
 ADMISSIONS: tuple[str, ...] = ("tracker", "tinylfu")
 
 
-def check_admission(admission: object) -> None:
-    """Reject an ``admission`` that is not one of ADMISSIONS."""
+MAX_SKETCH_WIDTH = 2**30
+"""The most counters a TinyLFU sketch row may have (``max_tracker_size`` with ``tinylfu``)."""
+
+
+def check_admission(admission: object, store_threshold: int, max_tracker_size: int) -> None:
+    """Reject an ``admission`` that is not one of ADMISSIONS, or a TinyLFU sketch too wide."""
     if admission not in ADMISSIONS:
         raise InvalidArgumentError(
             f"admission must be one of {list(ADMISSIONS)}, got {admission!r}"
+        )
+    if admission == "tinylfu" and store_threshold >= 2 and max_tracker_size > MAX_SKETCH_WIDTH:
+        raise InvalidArgumentError(
+            "a TinyLFU sketch has at most 2**30 counters per row (max_tracker_size), "
+            f"got {max_tracker_size}"
         )
 
 

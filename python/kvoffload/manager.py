@@ -75,7 +75,11 @@ class CPUOffloadingManager:
     - a policy method that calls back into its manager gets `kvoffload.ReentrantCallError`
       (``lookup`` and ``lookup_prefix`` excepted: they read the slot table without the lock).
 
-    Beyond vLLM: ``oldest_pending_write()`` and ``num_pending_writes()`` report pending writes;
+    Beyond vLLM: ``admission`` picks what ``store_threshold`` counts with: ``"tracker"`` (the
+    default, vLLM's bounded table of offer counts) or ``"tinylfu"`` (a TinyLFU count-min sketch
+    with aging, which never forgets a key to make room; ``max_tracker_size`` is then its
+    counters per row, at most ``2**30``, its table's pages taken only as counts land in them).
+    ``oldest_pending_write()`` and ``num_pending_writes()`` report pending writes;
     with ``pending_write_timeout`` set (seconds; None, the default, is vLLM's behaviour), a write
     older than that expires as ``complete_store(keys, success=False)`` would, at the start of each
     ``prepare_store`` (even one that then raises) and on ``expire_pending_writes()``, and
@@ -112,7 +116,7 @@ class CPUOffloadingManager:
         clock: Callable[[], float] | None = None,
     ) -> None:
         check_constructor_args(num_chunks, store_threshold, max_tracker_size)
-        check_admission(admission)
+        check_admission(admission, store_threshold, max_tracker_size)
         timeout = check_pending_write_timeout(pending_write_timeout)
         check_clock(clock)
         resolved = resolve_policy(cache_policy, cache_policy_module_path)

@@ -195,7 +195,7 @@ class CPUOffloadingManager:
         clock: Callable[[], float] | None = None,
     ) -> None:
         check_constructor_args(num_chunks, store_threshold, max_tracker_size)
-        check_admission(admission)
+        check_admission(admission, store_threshold, max_tracker_size)
         self._pending_write_timeout = check_pending_write_timeout(pending_write_timeout)
         check_clock(clock)
         self._clock: Callable[[], float] = time.monotonic if clock is None else clock

@@ -310,7 +310,8 @@ impl Manager {
             tracker: (config.store_threshold >= 2 && config.admission == Admission::Tracker)
                 .then(|| AdmissionTracker::new(config.store_threshold, config.max_tracker_size)),
             sketch: (config.store_threshold >= 2 && config.admission == Admission::TinyLfu)
-                .then(|| FrequencySketch::new(config.store_threshold, config.max_tracker_size)),
+                .then(|| FrequencySketch::new(config.store_threshold, config.max_tracker_size))
+                .transpose()?,
             events: config.enable_events.then(Vec::new),
             allocation_sizes: Vec::new(),
             stores_skipped: 0,

@@ -146,6 +146,13 @@ unsafe impl Zeroable for AtomicU64 {
     }
 }
 
+// SAFETY: zero is a valid `u8`, which has no drop.
+unsafe impl Zeroable for u8 {
+    fn zero() -> Self {
+        0
+    }
+}
+
 /// The size of a transparent huge page on x86-64 and arm64 (4 KiB base pages).
 #[cfg(not(loom))]
 const HUGE_PAGE: usize = 2 << 20;
@@ -252,6 +259,20 @@ impl<T: Zeroable> std::ops::Deref for ZeroArray<T> {
         #[cfg(loom)]
         {
             &self.items
+        }
+    }
+}
+
+impl<T: Zeroable> std::ops::DerefMut for ZeroArray<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        #[cfg(not(loom))]
+        {
+            // SAFETY: as in `deref`; `&mut self` makes this the only reference into the array.
+            unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+        }
+        #[cfg(loom)]
+        {
+            &mut self.items
         }
     }
 }

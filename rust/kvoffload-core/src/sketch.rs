@@ -17,7 +17,8 @@
 //! Rows are indexed by [`sketch_hash`], a hash that plain Python can compute too, so that the
 //! reference manager's sketch is counter for counter the same.
 
-use crate::error::{ensure, Result};
+use crate::error::{ensure, CoreError, Result};
+use crate::mem::ZeroArray;
 
 const ROWS: usize = 4;
 /// Per-row seeds mixed into the key's hash.
@@ -30,6 +31,9 @@ const SEEDS: [u64; ROWS] = [
 const MAX_COUNT: u8 = 15;
 /// Counts between resets, per counter of a row.
 const SAMPLES_PER_COUNTER: u64 = 10;
+/// The most counters a row may have (`max_tracker_size` with `admission="tinylfu"`): a table of
+/// 4 GiB, already far more than a pool of 2^31 chunks needs.
+pub const MAX_WIDTH: usize = 1 << 30;
 
 /// The splitmix64 finaliser.
 fn mix(mut z: u64) -> u64 {
@@ -52,28 +56,51 @@ pub fn sketch_hash(key: &[u8]) -> u64 {
 }
 
 /// A count-min sketch with aging; see the module docs.
-#[derive(Debug, Clone)]
 pub struct FrequencySketch {
     threshold: u64,
-    table: Vec<u8>,
+    /// Anonymous memory: pages cost nothing until a count lands in them.
+    table: ZeroArray<u8>,
     mask: usize,
     samples: u64,
     sample_size: u64,
 }
 
+impl std::fmt::Debug for FrequencySketch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrequencySketch")
+            .field("threshold", &self.threshold)
+            .field("width", &(self.mask + 1))
+            .field("samples", &self.samples)
+            .finish_non_exhaustive()
+    }
+}
+
 impl FrequencySketch {
     /// A sketch of at least `width` counters per row (rounded up to a power of two, at least
     /// 16) admitting keys whose estimate reaches `threshold`.
-    #[must_use]
-    pub fn new(threshold: u64, width: usize) -> Self {
+    ///
+    /// # Errors
+    /// [`CoreError::InvalidArgument`] if `width` exceeds [`MAX_WIDTH`] or the table's memory
+    /// cannot be mapped.
+    pub fn new(threshold: u64, width: usize) -> Result<Self> {
+        if width > MAX_WIDTH {
+            return Err(CoreError::InvalidArgument(format!(
+                "a TinyLFU sketch has at most 2**30 counters per row (max_tracker_size), got {width}"
+            )));
+        }
         let width = width.max(16).next_power_of_two();
-        Self {
+        let table = ZeroArray::new(ROWS * width).ok_or_else(|| {
+            CoreError::InvalidArgument(format!(
+                "cannot map a TinyLFU sketch of {width} counters per row"
+            ))
+        })?;
+        Ok(Self {
             threshold,
-            table: vec![0; ROWS * width],
+            table,
             mask: width - 1,
             samples: 0,
             sample_size: SAMPLES_PER_COUNTER * width as u64,
-        }
+        })
     }
 
     fn slot(&self, hash: u64, row: usize) -> usize {
@@ -121,7 +148,7 @@ impl FrequencySketch {
     /// Halve every counter if enough counts have accumulated (called before each offer).
     pub fn age_if_due(&mut self) {
         if self.samples >= self.sample_size {
-            for c in &mut self.table {
+            for c in self.table.iter_mut() {
                 *c >>= 1;
             }
             self.samples /= 2;
@@ -162,7 +189,7 @@ mod tests {
 
     #[test]
     fn counts_saturate_estimates_are_minimal_and_resets_halve() {
-        let mut s = FrequencySketch::new(3, 16);
+        let mut s = FrequencySketch::new(3, 16).unwrap();
         let (a, b) = (sketch_hash(b"a"), sketch_hash(b"b"));
         assert!(!s.would_admit(a, true));
         s.increment(a);
