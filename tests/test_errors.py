@@ -250,6 +250,24 @@ CASES: dict[str, Case] = {
         InvalidArgumentError,
         ValueError,
     ),
+    # ints outside [-(2**63 - 1), 2**63 - 1]
+    "position-past-int64-store": Case(
+        _with_position("r", k(7), 2**63, lambda w: w.m.prepare_store(ks(7), w.r)),
+        InvalidArgumentError,
+        ValueError,
+        policies=("lru",),
+    ),
+    "position-int64-min-load": Case(
+        _with_position("r", k(4), -(2**63), lambda w: w.m.prepare_load(ks(4), w.r)),
+        InvalidArgumentError,
+        ValueError,
+        policies=("lru",),
+    ),
+    "position-huge-finish": Case(
+        _with_position("r", k(2), -(2**70), lambda w: w.m.on_request_finished(w.r)),
+        InvalidArgumentError,
+        ValueError,
+    ),
 }
 
 
@@ -271,6 +289,43 @@ def test_illegal_call_raises_and_changes_nothing(
         assert isinstance(info.value, case.builtin)
     assert str(info.value)  # a message, not a bare exception
     assert_same(bad, good)
+
+
+@pytest.mark.parametrize("policy", ["arc", "lfu", "s3fifo"])
+def test_positions_read_only_at_finish_without_lru(make_manager: MakeManager, policy: str) -> None:
+    # As in vLLM, only LRU reads positions as keys are stored and loaded: with any other policy
+    # a bad position passes those calls and is reported by on_request_finished, which changes
+    # nothing; once mended, the request finishes.
+    m = make_manager(4, cache_policy=policy)
+    ctx = ReqContext(req_id="r")
+    m.on_new_request(ctx)
+    ctx.set_offload_key_position(k(1), 1.5)
+    ctx.set_offload_key_position(k(2), 2**63)
+    out = m.prepare_store(ks(1, 2), ctx)
+    assert out is not None
+    assert out.keys_to_store == ks(1, 2)
+    m.complete_store(ks(1, 2), ctx)
+    m.prepare_load(ks(1, 2), ctx)
+    m.complete_load(ks(1, 2), ctx)
+    before = views(m)
+    with pytest.raises(InvalidArgumentError):
+        m.on_request_finished(ctx)
+    assert views(m) == before
+    ctx.set_offload_key_position(k(1), 16)
+    ctx.set_offload_key_position(k(2), 2**63 - 1)
+    m.on_request_finished(ctx)
+    m.check_invariants()
+
+
+def test_extreme_positions_are_legal(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    ctx = ReqContext(req_id="r")
+    ctx.set_offload_key_position(k(1), -(2**63) + 1)
+    ctx.set_offload_key_position(k(2), 2**63 - 1)
+    assert m.prepare_store(ks(1, 2), ctx).keys_to_store == ks(1, 2)
+    m.complete_store(ks(1, 2), ctx)
+    m.on_request_finished(ctx)
+    m.check_invariants()
 
 
 def test_legal_neighbours_of_illegal_calls(make_manager: MakeManager) -> None:

@@ -385,6 +385,59 @@ def test_finish_asks_positions_with_the_first_offered_keys(make_manager: MakeMan
     m.check_invariants()
 
 
+class StatelessContext(DuckContext):
+    """A context that cannot keep state: ``set_state`` raises."""
+
+    __slots__ = ()
+
+    def set_state(self, val: Any) -> None:
+        raise RuntimeError("no state here")
+
+
+@pytest.mark.parametrize("threshold", [1, 2])
+def test_context_refusing_state_changes_nothing(make_manager: MakeManager, threshold: int) -> None:
+    m = make_manager(4, store_threshold=threshold)
+    ready = ReqContext(req_id="w")
+    for _ in range(threshold):
+        out = m.prepare_store(ks(1, 2), ready)
+    m.complete_store(out.keys_to_store, ready)
+    m.get_stats()  # the report so far; the next shows what happened since
+    before = (m.resident(), m.tracker_state(), m.policy_state())
+    quiet = make_manager(4, store_threshold=threshold).get_stats().data
+    bad = StatelessContext({k(1): 16, k(3): 48})
+    with pytest.raises(RuntimeError, match="no state here"):
+        m.prepare_load(ks(1), bad)  # pins nothing
+    with pytest.raises(RuntimeError, match="no state here"):
+        m.prepare_store(ks(3), bad)  # counts no offer
+    assert (m.resident(), m.tracker_state(), m.policy_state()) == before
+    assert m.get_stats().data == quiet
+    m.check_invariants()
+
+
+class JunkStateContext(DuckContext):
+    """A context whose ``get_state`` hands back something other than what it was given."""
+
+    __slots__ = ("junk",)
+
+    def get_state(self, cls: type) -> Any:
+        return self.junk
+
+
+@pytest.mark.parametrize("junk", [5, "state", object()])
+def test_context_state_of_another_kind_is_no_state(make_manager: MakeManager, junk: Any) -> None:
+    # What is not this manager's state counts as none: each call makes a fresh state, and the
+    # finish finds none to report.
+    m = make_manager(4)
+    req = JunkStateContext({})
+    req.junk = junk
+    assert m.prepare_store(ks(1), req).keys_to_store == ks(1)
+    m.complete_store(ks(1), req)
+    m.prepare_load(ks(1), req)
+    m.complete_load(ks(1), req)
+    m.on_request_finished(req)
+    m.check_invariants()
+
+
 class BytesKey(bytes):
     """A key type the manager accepts whose hash and equality are its own."""
 
@@ -664,6 +717,37 @@ def test_config_info(make_manager: MakeManager) -> None:
 def test_registered_policy_wins_over_module_path(make_manager: MakeManager) -> None:
     m = make_manager(2, cache_policy="arc", cache_policy_module_path="no.such.module")
     assert m.policy_state()["policy"] == "arc"
+    m.check_invariants()
+
+
+class BackwardList(list):  # type: ignore[type-arg]
+    """A list whose iteration runs backward: what a loop over it sees is what it holds."""
+
+    def __iter__(self) -> Any:
+        return reversed(tuple(list.__iter__(self)))
+
+
+class FirstTwo(tuple):  # type: ignore[type-arg]
+    """A tuple whose iteration stops after two items."""
+
+    def __iter__(self) -> Any:
+        return iter(tuple.__getitem__(self, slice(0, 2)))
+
+
+def test_key_collections_are_iterated_as_python_would(make_manager: MakeManager) -> None:
+    # vLLM loops over the keys it is given, so a list or tuple subclass holds what its own
+    # __iter__ yields; both managers read it that way.
+    m = make_manager(8)
+    ctx = ReqContext(req_id="r")
+    out = m.prepare_store(BackwardList(ks(1, 2, 3)), ctx)
+    assert out.keys_to_store == ks(3, 2, 1)
+    m.complete_store(FirstTwo(ks(3, 2, 1)), ctx)
+    assert {key: ref for key, (_, ref) in m.resident().items()} == {k(1): -1, k(2): 0, k(3): 0}
+    assert m.lookup_prefix(BackwardList(ks(1, 2, 3)), ctx) == 2  # 3 and 2 ready, then 1 pending
+    spec = m.prepare_load(FirstTwo(ks(2, 3, 1)), ctx)  # loads 2 and 3 only
+    assert len(spec.chunk_ids) == 2
+    m.complete_load(BackwardList(ks(3, 2)), ctx)
+    m.touch(FirstTwo(ks(3, 2, 9)), ctx)
     m.check_invariants()
 
 

@@ -107,7 +107,7 @@ class ShadowSet:
         """Each shadow's context for the live request context ``live`` (made on first use)."""
         with self._lock:
             holder = live.get_state(_ShadowContexts)
-            if holder is None:
+            if not isinstance(holder, _ShadowContexts):  # none, or not ours
                 holder = _ShadowContexts()
                 live.set_state(holder)
             out = []
@@ -172,7 +172,7 @@ class ShadowSet:
     def on_request_finished(self, live_ctx: Any) -> None:
         """Finish the request in every shadow."""
         holder = live_ctx.get_state(_ShadowContexts)
-        if holder is None:
+        if not isinstance(holder, _ShadowContexts):
             return
         for i, s in enumerate(self.shadows):
             ctx = holder.contexts.get(i)

@@ -72,7 +72,11 @@ class LruPolicy(CachePolicy):
     def _request_rank(self, req_context: RequestContext) -> int:
         """Return the request's rank, drawn from the counter the first time it is needed."""
         state = req_context.get_state(_RequestRank)
-        if state is None or state.owner is not self or state.epoch != self._epoch:
+        if (
+            not isinstance(state, _RequestRank)  # none, or not a rank of ours
+            or state.owner is not self
+            or state.epoch != self._epoch
+        ):
             state = _RequestRank(self, self._epoch, self._fresh_rank()[0])
             req_context.set_state(state)
         return state.rank

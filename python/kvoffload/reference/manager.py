@@ -6,8 +6,9 @@ queue, stats since the last report, and per-request state kept on each request c
 
 Every public call validates its whole input before it changes anything, so an illegal call raises
 a `kvoffload.errors` exception and leaves the manager (and the request context) as it was.
-That includes token positions: a call checks the position of every key it records (and
-``on_request_finished`` of every key the request saw), since policies read them mid-update.
+That includes token positions, read where they are used: with LRU, which ranks keys by position
+as it inserts and touches them, a recording call checks the position of every key it records;
+with every policy, ``on_request_finished`` checks the position of every key the request saw.
 """
 
 from __future__ import annotations
@@ -202,6 +203,9 @@ class CPUOffloadingManager:
         resolved = resolve_policy(cache_policy, cache_policy_module_path)
         self.num_chunks = num_chunks
         self._builtin_policy = isinstance(resolved, str)
+        # Only LRU reads token positions before a request finishes (vLLM's ARC and kvoffload's
+        # other policies order a request's keys by position only at its finish).
+        self._reads_positions = resolved == "lru"
         self._policy: CachePolicy
         if isinstance(resolved, str):
             self._policy = _BUILTIN[resolved](cache_capacity=num_chunks)
@@ -239,7 +243,11 @@ class CPUOffloadingManager:
     def _current_state(self, req_context: RequestContext) -> _RequestState | None:
         check_context(req_context)
         state = req_context.get_state(_RequestState)
-        if state is None or state.owner is not self or state.generation != self._generation:
+        if (
+            not isinstance(state, _RequestState)  # none, or not a state of ours
+            or state.owner is not self
+            or state.generation != self._generation
+        ):
             return None
         return state
 
@@ -252,7 +260,7 @@ class CPUOffloadingManager:
         return state
 
     def _check_recordable(self, req_context: RequestContext, keys: list[bytes]) -> None:
-        """Reject a recording a finished request may not make; validate the keys' positions."""
+        """Reject a recording a finished request may not make; validate the positions LRU reads."""
         state = self._current_state(req_context)
         if state is not None and state.finished:
             unseen = [key for key in keys if key not in state.seen]
@@ -260,8 +268,9 @@ class CPUOffloadingManager:
                 raise RequestFinishedError(
                     f"request finished; it cannot record keys it has not seen: {unseen!r}"
                 )
-        for key in keys:
-            position_of(req_context, key)
+        if self._reads_positions:
+            for key in keys:
+                position_of(req_context, key)
 
     def _record(
         self, state: _RequestState, req_context: RequestContext, accesses: list[tuple[bytes, bool]]
@@ -334,13 +343,14 @@ class CPUOffloadingManager:
                 raise KeyStateError(f"cannot load key {key!r}: it is {what}")
             statuses.append(status)
         self._check_recordable(req_context, key_list)
+        # The state first: a context whose set_state raises leaves nothing pinned.
+        state = self._recording_state(req_context)
 
         for key, status in zip(key_list, statuses, strict=True):
             status.ref_cnt += 1
             if status.ref_cnt == 1:
                 self._num_evictable -= 1
                 self._policy.mark_non_evictable(key)
-        state = self._recording_state(req_context)
         self._record(state, req_context, [(key, True) for key in key_list])
         return CPULoadStoreSpec([status.chunk_id for status in statuses])
 
@@ -410,6 +420,8 @@ class CPUOffloadingManager:
         admitted = set(to_store)
         recorded = [k for k in key_list if k in admitted or k in existing]
         self._check_recordable(req_context, recorded)
+        # The state first: a context whose set_state raises leaves the offer uncounted.
+        state = self._recording_state(req_context)
 
         # 1, 3: count the offer; drop candidates below the threshold.
         if tracker is not None:
@@ -418,14 +430,13 @@ class CPUOffloadingManager:
         elif sketch is not None:
             # Each key once per request, after a reset that is due.
             sketch.age_if_due()
-            counted = self._recording_state(req_context).counted
+            counted = state.counted
             for key in key_list:
                 if key not in counted:
                     counted.add(key)
                     sketch.increment(sketch_hash(key))
             self._stores_skipped += len(candidates) - len(to_store)
         # 4: first-time store misses of this request go to the policy.
-        state = self._recording_state(req_context)
         misses = [k for k in to_store if k not in state.store_misses_reported]
         if misses:
             self._policy.on_store_miss(misses, req_context)

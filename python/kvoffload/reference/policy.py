@@ -32,16 +32,23 @@ __all__ = [
 
 
 def position_of(req_context: RequestContext, key: bytes) -> int | None:
-    """Return the key's token position in the request or None; reject a non-int position."""
+    """Return the key's token position in the request or None; reject a bad position.
+
+    A position is an int in ``[-(2**63 - 1), 2**63 - 1]``: the int64 range, less its least
+    value, whose negation LRU's ranks could not hold.
+    """
     position = req_context.get_offload_key_position(key)
     if position is None:
         return None
     try:
-        return operator.index(position)
+        value = operator.index(position)
     except TypeError:
         raise InvalidArgumentError(
             f"position of key {key!r} must be an int, got {type(position).__name__}"
         ) from None
+    if not -(2**63) < value < 2**63:
+        raise InvalidArgumentError(f"position of key {key!r} is out of range: {value}")
+    return value
 
 
 def sorted_by_position(keys: list[bytes], req_context: RequestContext) -> list[bytes]:

@@ -18,7 +18,9 @@ pub(crate) struct Keys<'py> {
 }
 
 impl<'py> Keys<'py> {
-    /// Collect the keys of `obj` (a list, tuple or any iterable of `bytes`).
+    /// Collect the keys of `obj` (a list, tuple or any iterable of `bytes`). An exact list or
+    /// tuple is read directly; anything else, subclasses included, is iterated, as vLLM's
+    /// Python loops would (a subclass's own `__iter__` decides what it holds).
     pub(crate) fn extract(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
         let py = obj.py();
         // Buffers reused from earlier calls: a steady stream of calls allocates none.
@@ -26,9 +28,9 @@ impl<'py> Keys<'py> {
             objs: recycle::take(0),
             bytes: recycle::take(0),
         };
-        if let Ok(list) = obj.cast::<PyList>() {
+        if let Ok(list) = obj.cast_exact::<PyList>() {
             keys.extend_from_list(list)?;
-        } else if let Ok(tuple) = obj.cast::<PyTuple>() {
+        } else if let Ok(tuple) = obj.cast_exact::<PyTuple>() {
             // A tuple's items never change and it lives through the call (the caller holds
             // it), so its borrowed items stay live without a critical section.
             keys.extend_from_items(py, tuple.len(), |i| {
@@ -163,7 +165,7 @@ impl<'py> Keys<'py> {
 
     /// Run `f` on the bytes and addresses of `obj`'s keys, borrowed from the caller's list or
     /// tuple without a reference of our own to any of them: `None` (and `f` not run) unless
-    /// `obj` is a list or tuple of at most `max_keys` exact `bytes` objects. A list is read,
+    /// `obj` is an exact list or tuple of at most `max_keys` exact `bytes` objects. A list is read,
     /// and `f` runs, inside the list's critical section, so no other thread can replace an
     /// item meanwhile.
     ///
@@ -174,7 +176,7 @@ impl<'py> Keys<'py> {
         max_keys: usize,
         f: impl FnOnce(&[&[u8]], &[usize]) -> R,
     ) -> Option<R> {
-        if let Ok(list) = obj.cast::<PyList>() {
+        if let Ok(list) = obj.cast_exact::<PyList>() {
             pyo3::sync::critical_section::with_critical_section(list.as_any(), || {
                 if list.len() > max_keys {
                     return None;
@@ -185,7 +187,7 @@ impl<'py> Keys<'py> {
                     unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i) }
                 })
             })
-        } else if let Ok(tuple) = obj.cast::<PyTuple>() {
+        } else if let Ok(tuple) = obj.cast_exact::<PyTuple>() {
             if tuple.len() > max_keys {
                 return None;
             }
