@@ -88,3 +88,43 @@ def request(req_id: str, positions: dict[bytes, int] | None = None) -> ReqContex
     for key, pos in (positions or {}).items():
         ctx.set_offload_key_position(key, pos)
     return ctx
+
+
+#: The manager calls the hostile-input fuzz tests make.
+FUZZ_CALLS = [
+    "lookup",
+    "lookup_prefix",
+    "get_load_source",
+    "prepare_load",
+    "complete_load",
+    "touch",
+    "prepare_store",
+    "complete_store",
+    "on_new_request",
+    "on_request_finished",
+]
+
+#: The keys of the hostile-input fuzz tests (two KV groups).
+FUZZ_KEYS = [make_offload_key(b"fuzz-%d" % i, i % 2) for i in range(8)]
+
+
+def fuzz_world(m: Any, threshold: int) -> dict[str, ReqContext]:
+    """Bring a manager of capacity 6 to every chunk state for the fuzz tests: FUZZ_KEYS[0..2]
+    ready, [3] pinned by the unfinished request r, [4] pending, [6] counted once by the tracker
+    (stored, pending, at threshold 1); f loaded [1] and finished. Returns base, r and f."""
+    base, r, f = ReqContext("base"), ReqContext("r"), ReqContext("f")
+    for i, key in enumerate(FUZZ_KEYS):
+        r.set_offload_key_position(key, 16 * (i + 1))
+    for _ in range(threshold):
+        out = m.prepare_store(FUZZ_KEYS[:4], base)
+    m.complete_store(out.keys_to_store, base)
+    for _ in range(threshold):
+        m.prepare_store(FUZZ_KEYS[4:5], base)
+    m.on_new_request(r)
+    m.prepare_load(FUZZ_KEYS[3:4], r)
+    m.on_new_request(f)
+    m.prepare_load(FUZZ_KEYS[1:2], f)
+    m.complete_load(FUZZ_KEYS[1:2], f)
+    m.on_request_finished(f)
+    m.prepare_store(FUZZ_KEYS[6:7], base)
+    return {"base": base, "r": r, "f": f}

@@ -207,6 +207,10 @@ CASES: dict[str, Case] = {
     ),
     "touch-str": Case(lambda w: w.m.touch([k(2), "5"], w.r), InvalidKeyError, TypeError),
     "touch-ghost-none": Case(lambda w: w.m.touch([k(1), None], w.r), InvalidKeyError, TypeError),
+    "touch-empty-str": Case(lambda w: w.m.touch("", w.r), InvalidKeyError, TypeError),
+    "load-empty-bytearray": Case(
+        lambda w: w.m.prepare_load(bytearray(), w.r), InvalidKeyError, TypeError
+    ),
     "store-bytearray": Case(
         lambda w: w.m.prepare_store([k(7), bytearray(k(8))], w.r), InvalidKeyError, TypeError
     ),
@@ -263,6 +267,11 @@ CASES: dict[str, Case] = {
         ValueError,
         policies=("lru",),
     ),
+    "position-int64-min-finish": Case(
+        _with_position("r", k(3), -(2**63), lambda w: w.m.on_request_finished(w.r)),
+        InvalidArgumentError,
+        ValueError,
+    ),
     "position-huge-finish": Case(
         _with_position("r", k(2), -(2**70), lambda w: w.m.on_request_finished(w.r)),
         InvalidArgumentError,
@@ -314,6 +323,51 @@ def test_positions_read_only_at_finish_without_lru(make_manager: MakeManager, po
     ctx.set_offload_key_position(k(1), 16)
     ctx.set_offload_key_position(k(2), 2**63 - 1)
     m.on_request_finished(ctx)
+    m.check_invariants()
+
+
+class IndexRaises:
+    """A position whose ``__index__`` raises."""
+
+    def __index__(self) -> int:
+        raise LookupError("no index")
+
+
+class TruthRaises:
+    """A ``success`` whose truth value raises."""
+
+    def __bool__(self) -> bool:
+        raise LookupError("no truth")
+
+
+@pytest.mark.parametrize("threshold", [1, 2])
+def test_callback_exceptions_propagate_and_change_nothing(
+    make_manager: MakeManager, threshold: int
+) -> None:
+    # A position's __index__ and success's __bool__ are the caller's code: what they raise comes
+    # through as itself (a TypeError or OverflowError from __index__ is an InvalidArgumentError).
+    bad = build(make_manager, "lru", threshold)
+    good = build(make_manager, "lru", threshold)
+    with pytest.raises(LookupError, match="no index"):
+        _with_position("r", k(7), IndexRaises(), lambda w: w.m.prepare_store(ks(7), w.r))(bad)
+    with pytest.raises(LookupError, match="no truth"):  # read first, as vLLM does
+        bad.m.complete_store(ks(6), bad.base, TruthRaises())
+    with pytest.raises(LookupError, match="no truth"):  # even with no key to complete
+        bad.m.complete_store([], bad.base, TruthRaises())
+    assert_same(bad, good)
+
+
+def test_illegal_call_leaves_the_request_without_state(make_manager: MakeManager) -> None:
+    # A request whose first call was refused has no state: finishing it does nothing, and it
+    # may go on recording.
+    m = make_manager(4, cache_policy="arc")
+    ctx = ReqContext(req_id="x")
+    with pytest.raises(KeyStateError):
+        m.prepare_load(ks(1), ctx)
+    with pytest.raises(DuplicateKeyError):
+        m.prepare_store(ks(2, 2), ctx)
+    m.on_request_finished(ctx)
+    assert m.prepare_store(ks(2), ctx).keys_to_store == ks(2)
     m.check_invariants()
 
 

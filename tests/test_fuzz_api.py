@@ -26,10 +26,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvoffload
+from _helpers import FUZZ_CALLS, FUZZ_KEYS, fuzz_world
 from kvoffload import KVOffloadError, ReqContext, make_offload_key
 
 EXAMPLES = int(os.environ.get("KVOFFLOAD_FUZZ_EXAMPLES", "2500"))
-KEYS = [make_offload_key(b"fuzz-%d" % i, i % 2) for i in range(8)]
+KEYS = FUZZ_KEYS
 
 
 class Injected(Exception):
@@ -106,27 +107,12 @@ class EvilContext:
 
 
 def build_world(policy: str, threshold: int, hostile: Hostile) -> tuple[Any, dict[str, Any]]:
-    """Capacity 6: KEYS[0..2] ready, KEYS[3] pinned by unfinished r, KEYS[4] pending."""
+    """Capacity 6, every chunk state present (see `fuzz_world`)."""
     m = kvoffload.CPUOffloadingManager(
         6, cache_policy=policy, enable_events=True, store_threshold=threshold
     )
     hostile.m = m
-    base, r, f = ReqContext("base"), ReqContext("r"), ReqContext("f")
-    for i, key in enumerate(KEYS):
-        r.set_offload_key_position(key, 16 * (i + 1))
-    for _ in range(threshold):
-        out = m.prepare_store(KEYS[:4], base)
-    m.complete_store(out.keys_to_store, base)
-    for _ in range(threshold):
-        m.prepare_store(KEYS[4:5], base)
-    m.on_new_request(r)
-    m.prepare_load(KEYS[3:4], r)
-    m.on_new_request(f)
-    m.prepare_load(KEYS[1:2], f)
-    m.complete_load(KEYS[1:2], f)
-    m.on_request_finished(f)
-    m.prepare_store(KEYS[6:7], base)  # a tracker count below the threshold (when on)
-    return m, {"base": base, "r": r, "f": f}
+    return m, fuzz_world(m, threshold)
 
 
 def snapshot(m: Any) -> tuple[Any, ...]:
@@ -223,18 +209,7 @@ def a_context(draw: st.DrawFn, hostile: Hostile, contexts: dict[str, Any]) -> An
     return ctx
 
 
-CALLS = [
-    "lookup",
-    "lookup_prefix",
-    "get_load_source",
-    "prepare_load",
-    "complete_load",
-    "touch",
-    "prepare_store",
-    "complete_store",
-    "on_new_request",
-    "on_request_finished",
-]
+CALLS = FUZZ_CALLS
 
 STATS: Counter[str] = Counter()
 SECONDS = [0.0]

@@ -491,7 +491,8 @@ class CPUOffloadingManager:
         self, keys: Iterable[bytes], req_context: RequestContext, success: bool = True
     ) -> None:
         """Pending keys become ready (or, on failure, are dropped); other keys are ignored."""
-        self._end_stores(_as_keys(keys), success)
+        ok = bool(success)  # first, as vLLM reads it: a truth value that raises changes nothing
+        self._end_stores(_as_keys(keys), ok)
 
     def _end_stores(self, key_list: list[bytes], success: bool) -> None:
         done = []

@@ -990,7 +990,8 @@ impl Manager {
     // --- requests ---
 
     /// Finish a request: hand its keys, head to tail, to the policy. `positions` lines up with
-    /// `state.seen_keys()`. Stale or finished state: nothing happens.
+    /// `state.seen_keys()`; `i64::MIN` is refused, as in the recording calls. Stale or finished
+    /// state: nothing happens.
     pub fn on_request_finished(
         &mut self,
         req: &mut RequestState,
@@ -1006,6 +1007,11 @@ impl Manager {
                 req.seen.len(),
                 positions.len()
             )));
+        }
+        if positions.contains(&Some(i64::MIN)) {
+            return Err(CoreError::InvalidArgument(
+                "a token position is out of range".into(),
+            ));
         }
         req.finished = true;
         let order = head_to_tail(req, positions);
@@ -1915,6 +1921,34 @@ mod tests {
             m.complete_load(&batch).unwrap();
             m.validate().unwrap();
         }
+    }
+
+    #[test]
+    fn a_finish_refuses_the_least_position_and_changes_nothing() {
+        let mut m = manager(4, PolicyKind::Arc);
+        let keys: [&[u8]; 2] = [b"a", b"b"];
+        let mut req = m.new_request_state();
+        m.prepare_store(&keys, None, &mut req).unwrap().unwrap();
+        m.complete_store(&keys, true);
+        let bad = [Some(16), Some(i64::MIN)];
+        assert!(matches!(
+            m.on_request_finished(&mut req, &bad),
+            Err(CoreError::InvalidArgument(_))
+        ));
+        assert!(!req.is_finished());
+        m.on_request_finished(&mut req, &[Some(16), Some(i64::MIN + 1)])
+            .unwrap();
+        assert!(req.is_finished());
+        m.validate().unwrap();
+    }
+
+    #[test]
+    fn a_disowned_state_is_no_managers() {
+        let m = manager(4, PolicyKind::Lru);
+        let mut req = m.new_request_state();
+        assert!(m.is_current(&req));
+        req.disown();
+        assert!(!m.is_current(&req));
     }
 
     #[test]

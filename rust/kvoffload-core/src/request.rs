@@ -144,6 +144,13 @@ impl RequestState {
         }
     }
 
+    /// Make this state no manager's (no manager has id 0): every manager then takes it for no
+    /// state at all, stale as after a reset. For a state handed to a request by a call that
+    /// then failed: as if the call had never made it.
+    pub fn disown(&mut self) {
+        self.owner = 0;
+    }
+
     /// Whether `on_request_finished` has run for this state.
     #[must_use]
     pub fn is_finished(&self) -> bool {

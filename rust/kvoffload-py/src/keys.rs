@@ -3,9 +3,10 @@
 
 use crate::errors::{invalid_key, raise};
 use kvoffload_core::recycle::{self, Recycled};
+use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 
 /// The `bytes` objects of a call, kept alive while their bytes are borrowed. Both fields are
 /// private: `bytes` lends out the buffers of the objects `objs` holds, so neither may change
@@ -41,6 +42,13 @@ impl<'py> Keys<'py> {
             return Err(invalid_key(
                 py,
                 "expected a collection of keys, got a single bytes key".into(),
+            ));
+        } else if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyByteArray>() {
+            // Iterable, but of characters or ints, never of keys (even when empty).
+            let ty = type_name(obj);
+            return Err(invalid_key(
+                py,
+                format!("keys must be an iterable of bytes, got {ty}"),
             ));
         } else {
             let iter = obj.try_iter().map_err(|_| {
@@ -334,15 +342,21 @@ fn req_context_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
         .map(|t| t.bind(py))
 }
 
-/// A position value read from a context: `None`, or an int in the int64 range.
+/// A position value read from a context: `None`, or an int in the int64 range. A value that
+/// is no int (`TypeError`) or out of range (`OverflowError`) is an `InvalidArgumentError`; any
+/// other exception its `__index__` raises is the caller's, and propagates.
 pub(crate) fn position_value(v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
     if v.is_none() {
         return Ok(None);
     }
-    v.extract::<i64>().map(Some).map_err(|_| {
+    let py = v.py();
+    v.extract::<i64>().map(Some).map_err(|e| {
+        if !e.is_instance_of::<PyTypeError>(py) && !e.is_instance_of::<PyOverflowError>(py) {
+            return e;
+        }
         let ty = type_name(v);
         raise(
-            v.py(),
+            py,
             "InvalidArgumentError",
             format!("a token position must be an int in the int64 range, got {ty}"),
         )

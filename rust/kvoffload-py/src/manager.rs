@@ -979,6 +979,9 @@ impl ManagerCore {
                 (chunks, mark, s.last_added().iter().copied().collect())
             },
         )?;
+        if fresh && raised.is_none() && chunks.is_err() {
+            state.get().disown(); // an illegal call leaves the request without state
+        }
         let chunks = Recycled::from(settle(py, chunks, raised)?);
         state.get().keep_objects(mark, &added, keys.objs());
         spec(py, self.types(py)?, &chunks)
@@ -1106,6 +1109,9 @@ impl ManagerCore {
             },
         )?;
         drop((dropped, owned));
+        if fresh && raised.is_none() && outcome.is_err() {
+            state.get().disown(); // an illegal call leaves the request without state
+        }
         let outcome = settle(py, outcome, raised)?;
         state.get().keep_objects(mark, &added, keys.objs());
         let Some(out) = outcome else { return Ok(None) };

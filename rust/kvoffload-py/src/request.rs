@@ -32,6 +32,15 @@ impl RequestState {
         }
     }
 
+    /// Disown a state that a failed call gave its request (see `core::RequestState::disown`):
+    /// the context keeps the object, but no manager counts it as state, as if the call had
+    /// never installed it.
+    pub(crate) fn disown(&self) {
+        if let Ok(mut s) = self.inner.lock() {
+            s.disown();
+        }
+    }
+
     /// Keep the objects of the keys a successful recording call added to the seen keys: the
     /// seen keys numbered `mark` on are `keys[i]` for `i` in `added`, in order.
     pub(crate) fn keep_objects(&self, mark: usize, added: &[u32], keys: &[Bound<'_, PyBytes>]) {
