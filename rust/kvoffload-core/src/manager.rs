@@ -1008,11 +1008,7 @@ impl Manager {
                 positions.len()
             )));
         }
-        if positions.contains(&Some(i64::MIN)) {
-            return Err(CoreError::InvalidArgument(
-                "a token position is out of range".into(),
-            ));
-        }
+        check_position_range(positions)?;
         req.finished = true;
         let order = head_to_tail(req, positions);
         for s in &req.seen {
@@ -1668,6 +1664,11 @@ fn check_positions(keys: &[&[u8]], positions: Option<&[Option<i64>]>) -> Result<
             p.len()
         )));
     }
+    check_position_range(p)
+}
+
+/// Refuse `i64::MIN`, whose negation (an LRU rank's) is not an `i64`.
+fn check_position_range(p: &[Option<i64>]) -> Result<()> {
     if p.contains(&Some(i64::MIN)) {
         return Err(CoreError::InvalidArgument(
             "a token position is out of range".into(),
