@@ -87,7 +87,7 @@ pub fn resize_huge<T: Clone>(v: &mut Vec<T>, n: usize, value: T) {
 fn advise_huge_fresh(p: *mut u8, bytes: usize) {
     let start = (p as usize).div_ceil(HUGE_PAGE) * HUGE_PAGE;
     let end = (p as usize).saturating_add(bytes) / HUGE_PAGE * HUGE_PAGE;
-    #[cfg(target_os = "linux")]
+    #[cfg(all(target_os = "linux", not(miri)))]
     if end > start {
         // SAFETY: `start..end` lies inside the caller's allocation of `bytes` bytes from `p`,
         // which holds no value yet (the caller writes every element it later reads), and is
@@ -101,7 +101,7 @@ fn advise_huge_fresh(p: *mut u8, bytes: usize) {
             libc::madvise(at, end - start, libc::MADV_DONTNEED);
         }
     }
-    #[cfg(not(target_os = "linux"))]
+    #[cfg(any(not(target_os = "linux"), miri))]
     let _ = (start, end);
 }
 
@@ -153,9 +153,11 @@ unsafe impl Zeroable for u8 {
     }
 }
 
-/// The size of a transparent huge page on x86-64 and arm64 (4 KiB base pages).
+/// The size of a transparent huge page on x86-64 and arm64 (4 KiB base pages). Under Miri,
+/// which has no pages to advise and runs a few thousand times slower, one base page, so that
+/// its runs take the huge-array paths at sizes it can afford.
 #[cfg(not(loom))]
-const HUGE_PAGE: usize = 2 << 20;
+const HUGE_PAGE: usize = if cfg!(miri) { 4096 } else { 2 << 20 };
 
 /// `len` zero values of `T`. Large arrays are anonymous mappings: their pages are the kernel's
 /// shared zero page until written, so an array sized for a pool of 10^7 chunks costs memory
@@ -189,48 +191,10 @@ impl<T: Zeroable> ZeroArray<T> {
                 mapped: 0,
             });
         }
-        // Arrays of 2 MiB or more sit on 2 MiB boundaries and ask for transparent huge pages:
-        // they are read at random (hash buckets, slots by chunk id), and with 4 KiB pages most
-        // of those reads would also miss the TLB.
-        let huge = bytes >= HUGE_PAGE;
-        let map_len = if huge { bytes + HUGE_PAGE } else { bytes };
-        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return None;
-        }
-        let mut start = p.cast::<u8>();
-        if huge {
-            let head = (HUGE_PAGE - start as usize % HUGE_PAGE) % HUGE_PAGE;
-            let tail = map_len - head - bytes;
-            // SAFETY: `head` and `tail` lie inside the mapping just made and are unmapped
-            // once; what remains is `bytes` long and starts on a 2 MiB boundary. The advice
-            // only changes how the kernel backs these pages (it may refuse; nothing depends on
-            // it).
-            unsafe {
-                if head > 0 {
-                    libc::munmap(start.cast(), head);
-                }
-                start = start.add(head);
-                if tail > 0 {
-                    libc::munmap(start.add(bytes).cast(), tail);
-                }
-                libc::madvise(start.cast(), bytes, libc::MADV_HUGEPAGE);
-            }
-        }
         // Page-aligned (or 2 MiB-aligned), which satisfies `T`'s alignment (at most 64 here).
         debug_assert!(std::mem::align_of::<T>() <= 4096);
         Some(Self {
-            ptr: std::ptr::NonNull::new(start.cast())?,
+            ptr: std::ptr::NonNull::new(map_zeroed(bytes)?.cast())?,
             len,
             mapped: bytes,
         })
@@ -277,13 +241,101 @@ impl<T: Zeroable> std::ops::DerefMut for ZeroArray<T> {
     }
 }
 
+/// `bytes` (more than zero) zero bytes, page-aligned, as a fresh private anonymous mapping: its
+/// pages are the kernel's shared zero page until written. Mappings of 2 MiB or more sit on
+/// 2 MiB boundaries and ask for transparent huge pages: the arrays are read at random (hash
+/// buckets, slots by chunk id), and with 4 KiB pages most of those reads would also miss the
+/// TLB. `None` if the kernel refuses. Release with [`unmap`].
+#[cfg(all(not(loom), not(miri)))]
+pub(crate) fn map_zeroed(bytes: usize) -> Option<*mut u8> {
+    let huge = bytes >= HUGE_PAGE;
+    let map_len = if huge {
+        bytes.checked_add(HUGE_PAGE)?
+    } else {
+        bytes
+    };
+    // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            map_len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return None;
+    }
+    let mut start = p.cast::<u8>();
+    if huge {
+        let head = (HUGE_PAGE - start as usize % HUGE_PAGE) % HUGE_PAGE;
+        let tail = map_len - head - bytes;
+        // SAFETY: `head` and `tail` lie inside the mapping just made and are unmapped once;
+        // what remains is `bytes` long and starts on a 2 MiB boundary. The advice only changes
+        // how the kernel backs these pages (it may refuse; nothing depends on it).
+        unsafe {
+            if head > 0 {
+                libc::munmap(start.cast(), head);
+            }
+            start = start.add(head);
+            if tail > 0 {
+                libc::munmap(start.add(bytes).cast(), tail);
+            }
+            libc::madvise(start.cast(), bytes, libc::MADV_HUGEPAGE);
+        }
+    }
+    Some(start)
+}
+
+/// Release what [`map_zeroed`] returned for `bytes`.
+///
+/// # Safety
+/// `p` came from `map_zeroed(bytes)` and is released once; nothing refers into it any more.
+#[cfg(all(not(loom), not(miri)))]
+pub(crate) unsafe fn unmap(p: *mut u8, bytes: usize) {
+    // SAFETY: the caller's contract: `p..p + bytes` is a mapping of ours, unmapped once.
+    unsafe { libc::munmap(p.cast(), bytes) };
+}
+
+/// The layout [`map_zeroed`] asks the allocator for under Miri (which has no `mmap` of this
+/// kind): page-aligned, as the mapping is.
+#[cfg(all(not(loom), miri))]
+fn zeroed_layout(bytes: usize) -> Option<std::alloc::Layout> {
+    std::alloc::Layout::from_size_align(bytes, 4096).ok()
+}
+
+/// Under Miri, the same zero bytes from the global allocator, so that Miri checks everything
+/// built on them.
+#[cfg(all(not(loom), miri))]
+pub(crate) fn map_zeroed(bytes: usize) -> Option<*mut u8> {
+    // SAFETY: the layout has a non-zero size (callers never ask for zero bytes).
+    let p = unsafe { std::alloc::alloc_zeroed(zeroed_layout(bytes)?) };
+    (!p.is_null()).then_some(p)
+}
+
+/// Under Miri, free what [`map_zeroed`] allocated.
+///
+/// # Safety
+/// As for the mapping: `p` came from `map_zeroed(bytes)` and is released once.
+#[cfg(all(not(loom), miri))]
+pub(crate) unsafe fn unmap(p: *mut u8, bytes: usize) {
+    if let Some(layout) = zeroed_layout(bytes) {
+        // SAFETY: `p` was allocated by `alloc_zeroed` with this very layout (the caller's
+        // contract) and is freed once.
+        unsafe { std::alloc::dealloc(p, layout) };
+    }
+}
+
 #[cfg(not(loom))]
 impl<T: Zeroable> Drop for ZeroArray<T> {
     fn drop(&mut self) {
         if self.mapped > 0 {
-            // SAFETY: the mapping was made by `new` with this length and is unmapped once;
-            // `T` needs no drop (`Zeroable`), and no reference into it outlives `self`.
-            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.mapped) };
+            // SAFETY: the memory was made by `map_zeroed` with this length (in `new`) and is
+            // released once; `T` needs no drop (`Zeroable`), and no reference into it outlives
+            // `self`.
+            unsafe { unmap(self.ptr.as_ptr().cast(), self.mapped) };
         }
     }
 }
@@ -309,11 +361,13 @@ mod tests {
 
     #[test]
     fn resizing_keeps_the_elements_and_fills_the_rest_small_and_huge() {
-        // Small steps below 2 MiB, one growth across it, then steps inside the huge buffer and
-        // another growth of it; a shrink at the end.
+        // Small steps below a huge page, one growth across it, then steps inside the huge
+        // buffer and another growth of it; a shrink at the end. The sizes are in u64 elements
+        // and scale with the huge page (2 MiB; one 4 KiB page under Miri).
+        let h = HUGE_PAGE / 8;
         let mut v: Vec<u64> = Vec::new();
         let mut next = 0u64;
-        for n in [10, 1_000, 200_000, 300_000, 300_001, 2_000_000, 5] {
+        for n in [10, h / 262, h * 3 / 4, h * 8 / 7, h * 8 / 7 + 1, h * 8, 5] {
             let before = v.clone();
             resize_huge_with(&mut v, n, || {
                 next += 1;
@@ -332,13 +386,13 @@ mod tests {
         // stale. (The first free raises glibc's mmap threshold, so the second block, and then
         // the grown vector, come from the heap.)
         for _ in 0..2 {
-            drop(vec![0xabu8; 6 << 20]);
+            drop(vec![0xabu8; 3 * HUGE_PAGE]);
         }
         let mut w: Vec<u64> = vec![1; 1 << 10];
-        resize_huge(&mut w, 5 << 17, 7);
+        resize_huge(&mut w, h * 5 / 2, 7);
         assert!(w[..1 << 10].iter().all(|&x| x == 1) && w[1 << 10..].iter().all(|&x| x == 7));
         let mut flags = vec![true; 3];
-        resize_huge(&mut flags, 3_000_000, false);
+        resize_huge(&mut flags, HUGE_PAGE * 3 / 2, false);
         assert!(flags[..3].iter().all(|&f| f) && !flags[3..].iter().any(|&f| f));
         // A huge growth takes at least double the capacity (amortised O(1) growth).
         let cap = flags.capacity();

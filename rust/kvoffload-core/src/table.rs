@@ -1814,11 +1814,18 @@ mod tests {
         let shared = t.shared();
         let ks = &ks;
         let stop = std::sync::atomic::AtomicBool::new(false);
+        // Under Miri (which checks every access of these threads for data races, at a few
+        // thousand times the cost) a shorter run.
+        let (reads, steps) = if cfg!(miri) {
+            (20, 200)
+        } else {
+            (1000, 20_000u32)
+        };
         std::thread::scope(|s| {
             for _ in 0..2 {
                 s.spawn(|| {
                     let mut n = 0u64;
-                    while !stop.load(std::sync::atomic::Ordering::Relaxed) || n < 1000 {
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) || n < reads {
                         for k in &ks[..8] {
                             assert_eq!(shared.probe(k, hash_key(k)), Probe::Ready);
                         }
@@ -1829,7 +1836,7 @@ mod tests {
                 });
             }
             let mut held: Vec<Option<u32>> = vec![None; 4];
-            for step in 0..20_000u32 {
+            for step in 0..steps {
                 let slot = step % 4;
                 if let Some(k) = held[slot as usize].take() {
                     let _ = k;

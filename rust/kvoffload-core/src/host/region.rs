@@ -13,10 +13,12 @@ use std::io;
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
-/// Bytes in a transparent huge page on x86-64 and arm64 (4 KiB base pages).
-pub const HUGE_PAGE_BYTES: usize = 2 << 20;
+/// Bytes in a transparent huge page on x86-64 and arm64 (4 KiB base pages). Under Miri (no
+/// pages to advise, thousands of times slower) one base page, and the sizes below scaled alike,
+/// so that its runs take the multi-part and multi-thread paths at sizes it can afford.
+pub const HUGE_PAGE_BYTES: usize = if cfg!(miri) { 4 << 10 } else { 2 << 20 };
 /// The least a pre-fault thread takes: below it, starting the thread costs more than it saves.
-pub const PREFAULT_MIN_PART_BYTES: usize = 64 << 20;
+pub const PREFAULT_MIN_PART_BYTES: usize = if cfg!(miri) { 128 << 10 } else { 64 << 20 };
 
 /// How a shared region is found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -152,6 +154,39 @@ impl Region {
     }
 
     fn anonymous(len: usize, data_len: usize, huge: bool) -> Result<Self> {
+        #[cfg(not(miri))]
+        let start = Self::map_anonymous(data_len, huge)?;
+        // Under Miri (no `mmap` of this kind): zeroed memory from the allocator, page-aligned,
+        // never huge (the tests that ask for huge pages do not run there).
+        #[cfg(miri)]
+        let start = {
+            let _ = huge;
+            crate::mem::map_zeroed(data_len)
+                .ok_or_else(|| CoreError::Os(format!("allocating {data_len} bytes failed")))?
+        };
+        let map = NonNull::new(start).ok_or_else(|| CoreError::Os("mmap".into()))?;
+        Ok(Self {
+            map,
+            map_len: data_len,
+            data: map,
+            len,
+            data_len,
+            info: RegionInfo {
+                prefault_method: "",
+                prefault_seconds: 0.0,
+                locked: false,
+                huge_pages: false,
+                shared_path: None,
+                creator: true,
+            },
+            shm: None,
+        })
+    }
+
+    /// A fresh private anonymous mapping of `data_len` bytes (on a 2 MiB boundary if `huge`):
+    /// its address.
+    #[cfg(not(miri))]
+    fn map_anonymous(data_len: usize, huge: bool) -> Result<*mut u8> {
         // Huge pages need 2 MiB alignment: map a little more and trim both ends.
         let extra = if huge { HUGE_PAGE_BYTES } else { 0 };
         let Some(want) = data_len.checked_add(extra) else {
@@ -189,23 +224,7 @@ impl Region {
             }
             start = aligned;
         }
-        let map = NonNull::new(start as *mut u8).ok_or_else(|| CoreError::Os("mmap".into()))?;
-        Ok(Self {
-            map,
-            map_len: data_len,
-            data: map,
-            len,
-            data_len,
-            info: RegionInfo {
-                prefault_method: "",
-                prefault_seconds: 0.0,
-                locked: false,
-                huge_pages: false,
-                shared_path: None,
-                creator: true,
-            },
-            shm: None,
-        })
+        Ok(start as *mut u8)
     }
 
     /// A region over an existing mapping (for `shm`), with the data one `data_offset` in.
@@ -307,8 +326,15 @@ impl Drop for Region {
     fn drop(&mut self) {
         // SAFETY: unmaps exactly the mapping this region made; no pointer into it outlives the
         // region (views and jobs hold the region itself). munmap also drops any mlock.
+        #[cfg(not(miri))]
         unsafe {
             libc::munmap(self.map.as_ptr().cast(), self.map_len);
+        }
+        // SAFETY: under Miri the region's memory came from `mem::map_zeroed(map_len)` (shared
+        // regions do not run there) and is released once.
+        #[cfg(miri)]
+        unsafe {
+            crate::mem::unmap(self.map.as_ptr(), self.map_len);
         }
         if let Some(shm) = self.shm.take() {
             shm.release();
@@ -350,7 +376,8 @@ fn prefault(
     options: &RegionOptions,
 ) -> Result<&'static str> {
     let threads = options.prefault_threads;
-    if !options.force_touch_prefault {
+    // Under Miri, which has no `madvise`, always by touch.
+    if !options.force_touch_prefault && !cfg!(miri) {
         let results = for_each_part(data, len, threads, |ptr, part| {
             // SAFETY: populating a part of our own mapping changes no contents.
             let rc = unsafe { libc::madvise(ptr.cast(), part, libc::MADV_POPULATE_WRITE) };
@@ -490,10 +517,16 @@ mod tests {
         assert_eq!(r.as_ptr() as usize % page, 0);
         // SAFETY: nothing writes meanwhile.
         assert!(unsafe { r.as_slice() }.iter().all(|&b| b == 0));
-        assert_eq!(r.info().prefault_method, "madv-populate-write");
+        let method = if cfg!(miri) {
+            "touch"
+        } else {
+            "madv-populate-write"
+        };
+        assert_eq!(r.info().prefault_method, method);
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri has no madvise")]
     fn touch_fallback_and_huge_pages() {
         let o = RegionOptions {
             force_touch_prefault: true,
@@ -516,7 +549,7 @@ mod tests {
 
     #[test]
     fn prefault_parts_cover_the_region_once_in_huge_page_runs() {
-        let len = 200 * (1 << 20) + 123;
+        let len = PREFAULT_MIN_PART_BYTES * 25 / 8 + 123;
         let mem = vec![0u8; len]; // never touched: `alloc_zeroed` maps it lazily
         let data = NonNull::new(mem.as_ptr().cast_mut()).unwrap();
         let base = data.as_ptr() as usize;
@@ -541,7 +574,8 @@ mod tests {
                 force_touch_prefault,
                 ..opts()
             };
-            let r = Region::new(ChunkLayout::new(130, 1 << 20).unwrap(), &o).unwrap();
+            let chunk = PREFAULT_MIN_PART_BYTES / 64;
+            let r = Region::new(ChunkLayout::new(130, chunk).unwrap(), &o).unwrap();
             // SAFETY: nothing writes meanwhile.
             assert!(unsafe { r.as_slice() }.iter().all(|&b| b == 0));
         }
@@ -555,6 +589,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri has no mlock")]
     fn small_lock_succeeds_and_message_names_the_limit() {
         let o = RegionOptions {
             lock_pages: true,

@@ -87,12 +87,14 @@ pub struct TransferSpec<'a> {
 }
 
 /// Largest piece one thread copies at a time; bigger blocks are split so threads share them.
-const PIECE_BYTES: usize = 1 << 20;
+/// (Under Miri 32 KiB, so that its runs split blocks and copy on threads at sizes it can
+/// afford; still above [`STREAMING_MIN_BYTES`].)
+const PIECE_BYTES: usize = if cfg!(miri) { 32 << 10 } else { 1 << 20 };
 /// Blocks at least this long are copied in source address order; below it, sorting the pieces
 /// would cost a noticeable part of copying them.
 const SORT_MIN_BYTES: usize = 16 << 10;
 /// Below this many bytes a transfer runs on the calling thread: waking workers costs more.
-const PARALLEL_MIN_BYTES: usize = 4 << 20;
+const PARALLEL_MIN_BYTES: usize = 4 * PIECE_BYTES;
 
 /// A validated transfer: byte offsets only, every one in bounds.
 #[derive(Debug)]
@@ -392,7 +394,13 @@ unsafe fn stream_copy(src: *const u8, dst: *mut u8, n: usize) {
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::cast_ptr_alignment)] // loads are unaligned (loadu); stores are 64-aligned
 unsafe fn stream_lines_sse2(src: *const u8, dst: *mut u8, lines: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128};
+    // Miri runs no inline assembly, which the streaming store is made of: there, the aligned
+    // store of the same width, which Miri checks as strictly (bounds, 16-byte alignment).
+    #[cfg(miri)]
+    use std::arch::x86_64::_mm_store_si128 as _mm_stream_si128;
+    #[cfg(not(miri))]
+    use std::arch::x86_64::_mm_stream_si128;
     for line in 0..lines {
         prefetch_ahead(src, line);
         // SAFETY: line `line < lines` lies inside both ranges; the target line is aligned.
@@ -420,7 +428,12 @@ unsafe fn stream_lines_sse2(src: *const u8, dst: *mut u8, lines: usize) {
 #[target_feature(enable = "avx2")]
 #[allow(clippy::cast_ptr_alignment)] // loads are unaligned (loadu); stores are 64-aligned
 unsafe fn stream_lines_avx2(src: *const u8, dst: *mut u8, lines: usize) {
-    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256};
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256};
+    // Under Miri the aligned store of the same width, as in `stream_lines_sse2`.
+    #[cfg(miri)]
+    use std::arch::x86_64::_mm256_store_si256 as _mm256_stream_si256;
+    #[cfg(not(miri))]
+    use std::arch::x86_64::_mm256_stream_si256;
     for line in 0..lines {
         prefetch_ahead(src, line);
         // SAFETY: line `line < lines` lies inside both ranges; the target line is aligned.
@@ -464,11 +477,15 @@ fn prefetch(ptr: *const u8, bytes: usize, step: usize) {
 /// one that reports the copy done). Every thread that called [`copy_block`] calls this before
 /// its work counts as finished.
 pub fn store_fence() {
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
     // SAFETY: sfence has no preconditions (SSE is part of x86-64).
     unsafe {
         std::arch::x86_64::_mm_sfence();
     }
+    // Miri has no `sfence` (its streaming stores are plain stores): a fence of its own, so
+    // that what it checks is ordered at least as strongly.
+    #[cfg(miri)]
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
 }
 
 #[cfg(test)]
@@ -644,10 +661,12 @@ mod tests {
 
     #[test]
     fn large_blocks_split_into_pieces_and_copy_on_threads() {
-        let layout = ChunkLayout::new(3, 3 << 20).unwrap();
+        // Blocks of three pieces (1 MiB each; 32 KiB under Miri).
+        let bb = 3 * PIECE_BYTES;
+        let layout = ChunkLayout::new(3, bb).unwrap();
         let r = region(layout);
-        let src: Vec<u8> = (0..(6usize << 20)).map(|i| (i % 251) as u8).collect();
-        let s = spec(3 << 20, 0, &[1, 0], &[0, 2]);
+        let src: Vec<u8> = (0..2 * bb).map(|i| (i % 251) as u8).collect();
+        let s = spec(bb, 0, &[1, 0], &[0, 2]);
         let p = plan(&r, layout, Direction::Gather, RawBuf::from_slice(&src), &s).unwrap();
         assert_eq!(p.pieces.len(), 6);
         let pool = rayon::ThreadPoolBuilder::new()
@@ -657,9 +676,9 @@ mod tests {
         // SAFETY: `r` and `src` outlive the call.
         unsafe { p.execute(&pool, 2) };
         // SAFETY: the region is mapped and no transfer runs.
-        let mem = unsafe { std::slice::from_raw_parts(r.as_ptr(), 9 << 20) };
-        assert_eq!(&mem[..3 << 20], &src[3 << 20..]);
-        assert!(mem[3 << 20..6 << 20].iter().all(|&b| b == 0));
-        assert_eq!(&mem[6 << 20..], &src[..3 << 20]);
+        let mem = unsafe { std::slice::from_raw_parts(r.as_ptr(), 3 * bb) };
+        assert_eq!(&mem[..bb], &src[bb..]);
+        assert!(mem[bb..2 * bb].iter().all(|&b| b == 0));
+        assert_eq!(&mem[2 * bb..], &src[..bb]);
     }
 }

@@ -405,6 +405,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri has no shared memory files")]
     fn create_attach_share_bytes_and_clean_up() {
         let name = unique("share");
         let path = region_path(&name).unwrap();
@@ -437,6 +438,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri cannot spawn processes")]
     fn zombies_are_not_alive() {
         use super::attach::process_alive;
         let mut child = std::process::Command::new("true").spawn().unwrap();
