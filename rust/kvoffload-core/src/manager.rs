@@ -2094,6 +2094,7 @@ mod tests {
         /// The order with its sorts skipped when there is nothing to move equals the rules'
         /// (few groups and positions, so ties and sorted runs are common).
         #[test]
+        #[cfg_attr(miri, ignore = "too slow under Miri (over 4 minutes)")]
         fn head_to_tail_follows_the_rules(
             keys in proptest::collection::vec((0u32..3, proptest::option::weighted(0.9, -3i64..4)), 0..24),
             sorted in any::<bool>(),
@@ -2141,6 +2142,7 @@ mod tests {
     /// Keys of 4 GiB or more cannot be stored (their lengths are kept in 32 bits): the offer
     /// is refused with the first such key's index. (Lengths only: no such key is allocated.)
     #[test]
+    #[cfg_attr(miri, ignore = "Miri has no read-only mmap")]
     fn keys_too_long_to_store_are_refused() {
         assert!(check_key_lengths([36, 0, MAX_KEY_LEN].into_iter()).is_ok());
         let err = check_key_lengths([36, MAX_KEY_LEN + 1, 1 << 40].into_iter()).unwrap_err();
