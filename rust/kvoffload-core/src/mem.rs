@@ -156,8 +156,7 @@ unsafe impl Zeroable for u8 {
 /// The size of a transparent huge page on x86-64 and arm64 (4 KiB base pages). Under Miri,
 /// which has no pages to advise and runs a few thousand times slower, one base page, so that
 /// its runs take the huge-array paths at sizes it can afford.
-#[cfg(not(loom))]
-const HUGE_PAGE: usize = if cfg!(miri) { 4096 } else { 2 << 20 };
+pub(crate) const HUGE_PAGE: usize = if cfg!(miri) { 4096 } else { 2 << 20 };
 
 /// `len` zero values of `T`. Large arrays are anonymous mappings: their pages are the kernel's
 /// shared zero page until written, so an array sized for a pool of 10^7 chunks costs memory
@@ -241,18 +240,26 @@ impl<T: Zeroable> std::ops::DerefMut for ZeroArray<T> {
     }
 }
 
-/// `bytes` (more than zero) zero bytes, page-aligned, as a fresh private anonymous mapping: its
-/// pages are the kernel's shared zero page until written. Mappings of 2 MiB or more sit on
-/// 2 MiB boundaries and ask for transparent huge pages: the arrays are read at random (hash
-/// buckets, slots by chunk id), and with 4 KiB pages most of those reads would also miss the
-/// TLB. `None` if the kernel refuses. Release with [`unmap`].
-#[cfg(all(not(loom), not(miri)))]
-pub(crate) fn map_zeroed(bytes: usize) -> Option<*mut u8> {
-    let huge = bytes >= HUGE_PAGE;
-    let map_len = if huge {
-        bytes.checked_add(HUGE_PAGE)?
+/// A fresh private anonymous read-write mapping of `bytes` (more than zero) bytes, whose pages
+/// read as zeros: page-aligned, or on a huge-page boundary when `huge_aligned` (a huge page more
+/// is mapped and both ends trimmed). `noreserve`: no swap is set aside for it
+/// (`MAP_NORESERVE`). `Err`: the length overflows (`InvalidInput`) or the kernel's refusal.
+/// Release with `munmap` of `bytes` bytes.
+#[cfg(not(miri))]
+pub(crate) fn map_anonymous(
+    bytes: usize,
+    huge_aligned: bool,
+    noreserve: bool,
+) -> std::io::Result<*mut u8> {
+    let extra = if huge_aligned { HUGE_PAGE } else { 0 };
+    let map_len = bytes
+        .checked_add(extra)
+        .ok_or(std::io::ErrorKind::InvalidInput)?;
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+    let flags = if noreserve {
+        flags | libc::MAP_NORESERVE
     } else {
-        bytes
+        flags
     };
     // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
     let p = unsafe {
@@ -260,21 +267,20 @@ pub(crate) fn map_zeroed(bytes: usize) -> Option<*mut u8> {
             std::ptr::null_mut(),
             map_len,
             libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            flags,
             -1,
             0,
         )
     };
     if p == libc::MAP_FAILED {
-        return None;
+        return Err(std::io::Error::last_os_error());
     }
     let mut start = p.cast::<u8>();
-    if huge {
+    if huge_aligned {
         let head = (HUGE_PAGE - start as usize % HUGE_PAGE) % HUGE_PAGE;
         let tail = map_len - head - bytes;
-        // SAFETY: `head` and `tail` lie inside the mapping just made and are unmapped once;
-        // what remains is `bytes` long and starts on a 2 MiB boundary. The advice only changes
-        // how the kernel backs these pages (it may refuse; nothing depends on it).
+        // SAFETY: `head` and `tail` lie inside the mapping just made, hold nothing, and are
+        // unmapped once; what remains is `bytes` long and starts on a huge-page boundary.
         unsafe {
             if head > 0 {
                 libc::munmap(start.cast(), head);
@@ -283,8 +289,24 @@ pub(crate) fn map_zeroed(bytes: usize) -> Option<*mut u8> {
             if tail > 0 {
                 libc::munmap(start.add(bytes).cast(), tail);
             }
-            libc::madvise(start.cast(), bytes, libc::MADV_HUGEPAGE);
         }
+    }
+    Ok(start)
+}
+
+/// `bytes` (more than zero) zero bytes, page-aligned, as a fresh private anonymous mapping: its
+/// pages are the kernel's shared zero page until written. Mappings of 2 MiB or more sit on
+/// 2 MiB boundaries and ask for transparent huge pages: the arrays are read at random (hash
+/// buckets, slots by chunk id), and with 4 KiB pages most of those reads would also miss the
+/// TLB. `None` if the kernel refuses. Release with [`unmap`].
+#[cfg(all(not(loom), not(miri)))]
+pub(crate) fn map_zeroed(bytes: usize) -> Option<*mut u8> {
+    let huge = bytes >= HUGE_PAGE;
+    let start = map_anonymous(bytes, huge, true).ok()?;
+    if huge {
+        // SAFETY: advice on the mapping just made; it only changes how the kernel backs its
+        // pages (it may refuse; nothing depends on it).
+        unsafe { libc::madvise(start.cast(), bytes, libc::MADV_HUGEPAGE) };
     }
     Some(start)
 }

@@ -43,18 +43,17 @@ impl<'py> Keys<'py> {
                 py,
                 "expected a collection of keys, got a single bytes key".into(),
             ));
-        } else if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyByteArray>() {
-            // Iterable, but of characters or ints, never of keys (even when empty).
-            let ty = type_name(obj);
-            return Err(invalid_key(
-                py,
-                format!("keys must be an iterable of bytes, got {ty}"),
-            ));
         } else {
-            let iter = obj.try_iter().map_err(|_| {
-                let ty = type_name(obj);
-                invalid_key(py, format!("keys must be an iterable of bytes, got {ty}"))
-            })?;
+            // A str or bytearray is iterable, but of characters or ints, never of keys (even
+            // when empty).
+            let text = obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyByteArray>();
+            let iter = (!text)
+                .then(|| obj.try_iter().ok())
+                .flatten()
+                .ok_or_else(|| {
+                    let ty = type_name(obj);
+                    invalid_key(py, format!("keys must be an iterable of bytes, got {ty}"))
+                })?;
             for item in iter {
                 keys.push(item?)?;
             }

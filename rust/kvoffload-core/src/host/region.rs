@@ -13,10 +13,11 @@ use std::io;
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
-/// Bytes in a transparent huge page on x86-64 and arm64 (4 KiB base pages). Under Miri (no
-/// pages to advise, thousands of times slower) one base page, and the sizes below scaled alike,
-/// so that its runs take the multi-part and multi-thread paths at sizes it can afford.
-pub const HUGE_PAGE_BYTES: usize = if cfg!(miri) { 4 << 10 } else { 2 << 20 };
+/// Bytes in a transparent huge page on x86-64 and arm64 (4 KiB base pages): the core's
+/// `mem::HUGE_PAGE`, one base page under Miri (no pages to advise, thousands of times
+/// slower), with the size below scaled alike, so that its runs take the multi-part and
+/// multi-thread paths at sizes it can afford.
+pub const HUGE_PAGE_BYTES: usize = crate::mem::HUGE_PAGE;
 /// The least a pre-fault thread takes: below it, starting the thread costs more than it saves.
 pub const PREFAULT_MIN_PART_BYTES: usize = if cfg!(miri) { 128 << 10 } else { 64 << 20 };
 
@@ -192,39 +193,8 @@ impl Region {
         let Some(want) = data_len.checked_add(extra) else {
             return Err(CoreError::InvalidArgument("region too large".into()));
         };
-        // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                want,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(CoreError::Os(format!(
-                "mmap of {want} bytes failed: {}",
-                io::Error::last_os_error()
-            )));
-        }
-        let mut start = p as usize;
-        if huge {
-            let aligned = start.next_multiple_of(HUGE_PAGE_BYTES);
-            let (head, tail) = (aligned - start, want - (aligned - start) - data_len);
-            // SAFETY: both ranges lie inside the mapping just made and are not used.
-            unsafe {
-                if head > 0 {
-                    libc::munmap(p, head);
-                }
-                if tail > 0 {
-                    libc::munmap((aligned + data_len) as *mut libc::c_void, tail);
-                }
-            }
-            start = aligned;
-        }
-        Ok(start as *mut u8)
+        crate::mem::map_anonymous(data_len, huge, false)
+            .map_err(|e| CoreError::Os(format!("mmap of {want} bytes failed: {e}")))
     }
 
     /// A region over an existing mapping (for `shm`), with the data one `data_offset` in.
