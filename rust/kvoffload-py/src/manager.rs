@@ -522,7 +522,7 @@ impl ManagerCore {
         state: Option<&RequestState>,
         f: impl FnOnce(&mut Core, Option<&mut core::RequestState>) -> R + Send,
     ) -> PyResult<(R, Option<PyErr>)> {
-        if !self.python_policy && keys.len() >= DETACH_MIN_KEYS {
+        if self.detaches(keys.len()) {
             let out = py.detach(|| {
                 let mut m = applied(self.inner.lock().map_err(|_| LockError::Poisoned)?);
                 let mut s = match state {
@@ -537,6 +537,25 @@ impl ManagerCore {
             });
             return out.map(|r| (r, None)).map_err(|e: LockError| e.into_py(py));
         }
+        self.policy_call_attached(py, ctx, keys, state, f)
+    }
+
+    /// Whether [`policy_call`](Self::policy_call) runs a call of `n` keys detached.
+    fn detaches(&self, n: usize) -> bool {
+        !self.python_policy && n >= DETACH_MIN_KEYS
+    }
+
+    /// [`policy_call`](Self::policy_call) for a call that does not detach
+    /// ([`detaches`](Self::detaches) is false): `f` runs attached, on this thread, so it may
+    /// take references to Python objects (and need not be `Send`).
+    fn policy_call_attached<R>(
+        &self,
+        py: Python<'_>,
+        ctx: Option<&Bound<'_, PyAny>>,
+        keys: &[Bound<'_, PyBytes>],
+        state: Option<&RequestState>,
+        f: impl FnOnce(&mut Core, Option<&mut core::RequestState>) -> R,
+    ) -> PyResult<(R, Option<PyErr>)> {
         let mut m = self.lock(py)?;
         let mut s = match state {
             Some(st) => Some(st.inner.lock().map_err(|_| poisoned(py))?),
@@ -709,6 +728,54 @@ impl ManagerCore {
             })
             .collect();
         ctx.positions_walking(objs.iter(), &mut 0).map(Some)
+    }
+
+    /// `prepare_store`'s answer for `out`: the keys to store (the call's objects `objs`), the
+    /// spec of their chunks and the evicted keys, whose stored objects lead `evicted_objs`.
+    fn store_output<'py>(
+        &self,
+        py: Python<'py>,
+        objs: &[Bound<'py, PyBytes>],
+        out: core::StoreOutcome,
+        mut evicted_objs: Recycled<Option<Py<PyBytes>>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let to_store = PyList::new(py, out.to_store.iter().map(|&i| &objs[i]))?;
+        // The stored objects of the victims, moved into the list (no reference count
+        // traffic). Every resident chunk has its object; were one missing, the core's copy of
+        // the key (kept when events are on) stands in, or the call reports the broken
+        // invariant.
+        let n_evicted = out.evicted_chunks.len();
+        let mut missing = None;
+        let evicted = PyList::new(
+            py,
+            evicted_objs.drain(..n_evicted).enumerate().map(|(i, obj)| {
+                match (obj, out.evicted.get(i)) {
+                    (Some(obj), _) => obj.into_bound(py),
+                    (None, Some(k)) => PyBytes::new(py, k),
+                    (None, None) => {
+                        missing = Some(out.evicted_chunks[i]);
+                        PyBytes::new(py, b"")
+                    }
+                }
+            }),
+        )?;
+        if let Some(c) = missing {
+            return Err(to_py(
+                py,
+                core::CoreError::Invariant(format!("evicted chunk {c} had no stored key object")),
+            ));
+        }
+        let types = self.types(py)?;
+        let output = types.prepare_store_output.build(
+            py,
+            &[
+                (intern!(py, "keys_to_store"), to_store.into_any()),
+                (intern!(py, "store_spec"), spec(py, types, &out.chunks)?),
+                (intern!(py, "evicted_keys"), evicted.into_any()),
+            ],
+        )?;
+        out.recycle();
+        Ok(output)
     }
 
     /// Expire the writes older than `timeout` at `now`; their stored key objects, oldest first.
@@ -1065,49 +1132,64 @@ impl ManagerCore {
             ctx.set_state(state.as_any())?;
         }
         let slices = keys.slices();
-        let addrs = addresses(keys.objs());
-        // Owned references, moved into the table by the core call (which may run detached).
-        let mut owned: Recycled<Option<Py<PyBytes>>> = keys
-            .objs()
-            .iter()
-            .map(|k| Some(k.clone().unbind()))
-            .collect();
-        let ((outcome, evicted_objs, dropped, mark, added), raised) = self.policy_call(
-            py,
-            Some(ctx.object()),
-            keys.objs(),
-            Some(state.get()),
-            |m, s| {
-                if let Some(now) = now {
-                    m.set_clock(now);
-                }
-                let s = s.expect("state given");
-                renew_if_stale(m, s);
-                let mark = s.seen_keys().len();
-                let outcome = m.queuing(None, |m| {
-                    m.prepare_store(slices, positions.as_deref().map(Vec::as_slice), s)
-                });
-                let mut objs = Recycled::with_capacity(0);
-                let mut dropped = Vec::new();
-                match &outcome {
-                    Ok(Some(out)) => {
-                        // The victims' objects, then those the stored keys' slots held.
-                        objs = m.take_keys_leaving_room(&out.evicted_chunks, out.chunks.len());
-                        for (&i, &c) in out.to_store.iter().zip(&out.chunks) {
-                            m.memo.put(addrs[i], c);
-                            if let Some(obj) = owned[i].take() {
-                                objs.push(m.put_key(c, obj));
-                            }
+        // The stored keys' objects go into the table by the core call. Attached, it takes a
+        // reference to each as it stores it; detached, it cannot, so a reference to every key
+        // is taken beforehand (those not stored are dropped after the call).
+        let objs = keys.objs();
+        let detach = self.detaches(objs.len());
+        let mut owned: Recycled<Option<Py<PyBytes>>> = if detach {
+            objs.iter().map(|k| Some(k.clone().unbind())).collect()
+        } else {
+            Vec::new().into()
+        };
+        let body = |m: &mut Core,
+                    s: Option<&mut core::RequestState>,
+                    obj: &mut dyn FnMut(usize) -> (usize, Option<Py<PyBytes>>)| {
+            if let Some(now) = now {
+                m.set_clock(now);
+            }
+            let s = s.expect("state given");
+            renew_if_stale(m, s);
+            let mark = s.seen_keys().len();
+            let outcome = m.queuing(None, |m| {
+                m.prepare_store(slices, positions.as_deref().map(Vec::as_slice), s)
+            });
+            let mut objs = Recycled::with_capacity(0);
+            let mut dropped = Vec::new();
+            match &outcome {
+                Ok(Some(out)) => {
+                    // The victims' objects, then those the stored keys' slots held.
+                    objs = m.take_keys_leaving_room(&out.evicted_chunks, out.chunks.len());
+                    for (&i, &c) in out.to_store.iter().zip(&out.chunks) {
+                        let (addr, o) = obj(i);
+                        m.memo.put(addr, c);
+                        if let Some(o) = o {
+                            objs.push(m.put_key(c, o));
                         }
                     }
-                    // A Python policy failed after evicting: its victims are gone.
-                    Err(_) if self.python_policy => dropped = m.forget_evicted(),
-                    _ => {}
                 }
-                let added: Recycled<u32> = s.last_added().iter().copied().collect();
-                (outcome, objs, dropped, mark, added)
-            },
-        )?;
+                // A Python policy failed after evicting: its victims are gone.
+                Err(_) if self.python_policy => dropped = m.forget_evicted(),
+                _ => {}
+            }
+            let added: Recycled<u32> = s.last_added().iter().copied().collect();
+            (outcome, objs, dropped, mark, added)
+        };
+        let ctx_obj = Some(ctx.object());
+        let ((outcome, evicted_objs, dropped, mark, added), raised) = if detach {
+            self.policy_call(py, ctx_obj, objs, Some(state.get()), |m, s| {
+                body(m, s, &mut |i| {
+                    let o = owned[i].take();
+                    (o.as_ref().map_or(0, |o| o.as_ptr() as usize), o)
+                })
+            })?
+        } else {
+            self.policy_call_attached(py, ctx_obj, objs, Some(state.get()), |m, s| {
+                body(m, s, &mut |i| {
+                    (objs[i].as_ptr() as usize, Some(objs[i].clone().unbind()))
+                })
+            })?
+        };
         drop((dropped, owned));
         if fresh && raised.is_none() && outcome.is_err() {
             state.get().disown(); // an illegal call leaves the request without state
@@ -1115,44 +1197,8 @@ impl ManagerCore {
         let outcome = settle(py, outcome, raised)?;
         state.get().keep_objects(mark, &added, keys.objs());
         let Some(out) = outcome else { return Ok(None) };
-        let to_store = PyList::new(py, out.to_store.iter().map(|&i| &keys.objs()[i]))?;
-        // The stored objects of the victims, moved into the list (no reference count
-        // traffic). Every resident chunk has its object; were one missing, the core's copy of
-        // the key (kept when events are on) stands in, or the call reports the broken
-        // invariant.
-        let mut evicted_objs = evicted_objs;
-        let n_evicted = out.evicted_chunks.len();
-        let mut missing = None;
-        let evicted = PyList::new(
-            py,
-            evicted_objs.drain(..n_evicted).enumerate().map(|(i, obj)| {
-                match (obj, out.evicted.get(i)) {
-                    (Some(obj), _) => obj.into_bound(py),
-                    (None, Some(k)) => PyBytes::new(py, k),
-                    (None, None) => {
-                        missing = Some(out.evicted_chunks[i]);
-                        PyBytes::new(py, b"")
-                    }
-                }
-            }),
-        )?;
-        if let Some(c) = missing {
-            return Err(to_py(
-                py,
-                core::CoreError::Invariant(format!("evicted chunk {c} had no stored key object")),
-            ));
-        }
-        let types = self.types(py)?;
-        let output = types.prepare_store_output.build(
-            py,
-            &[
-                (intern!(py, "keys_to_store"), to_store.into_any()),
-                (intern!(py, "store_spec"), spec(py, types, &out.chunks)?),
-                (intern!(py, "evicted_keys"), evicted.into_any()),
-            ],
-        )?;
-        out.recycle();
-        Ok(Some(output))
+        self.store_output(py, keys.objs(), out, evicted_objs)
+            .map(Some)
     }
 
     /// Finish stores (a false `success`: drop them); the context is not read.
