@@ -9,7 +9,7 @@
 //! A thread's buffers are freed when it exits.
 
 use std::alloc::Layout;
-use std::cell::RefCell;
+use std::cell::UnsafeCell;
 
 /// Element layouts (size, alignment) whose buffers are kept; other element types simply
 /// allocate.
@@ -68,8 +68,8 @@ const NO_BUFFER: Raw = Raw {
 };
 
 thread_local! {
-    static POOL: RefCell<Pool> = const {
-        RefCell::new(Pool {
+    static POOL: UnsafeCell<Pool> = const {
+        UnsafeCell::new(Pool {
             kept: [[NO_BUFFER; PER_CLASS]; CLASSES.len()],
             len: [0; CLASSES.len()],
         })
@@ -97,7 +97,10 @@ pub fn take<T>(n: usize) -> Vec<T> {
     let mut v = class_of::<T>()
         .and_then(|class| {
             POOL.try_with(|pool| {
-                let mut pool = pool.try_borrow_mut().ok()?;
+                // SAFETY: this thread's pool, referred to only here and in `give`, each of
+                // which holds the reference for a few loads and stores that run no other code
+                // (no allocation, no drop): no other reference to it exists meanwhile.
+                let pool = unsafe { &mut *pool.get() };
                 // The last buffer given back is the first taken (most likely in cache).
                 let top = pool.len[class].checked_sub(1)?;
                 pool.len[class] = top;
@@ -135,9 +138,8 @@ pub fn give<T>(mut v: Vec<T>) {
     };
     let kept = POOL
         .try_with(|pool| {
-            let Ok(mut pool) = pool.try_borrow_mut() else {
-                return false;
-            };
+            // SAFETY: as in `take`: the only reference to this thread's pool meanwhile.
+            let pool = unsafe { &mut *pool.get() };
             let top = pool.len[class];
             if top == PER_CLASS {
                 return false;
