@@ -301,6 +301,28 @@ unsafe fn bytes_at(obj: *mut pyo3::ffi::PyObject, offset: usize) -> &'static [u8
     }
 }
 
+/// Where an exact `bytes` object's buffer starts (the same for every one: one layout), read
+/// once off a live one.
+static EXACT_BYTES_OFFSET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+/// The bytes of `obj`, a `bytes` object or subclass instance: an exact `bytes`'s read straight
+/// from its buffer (no call into the interpreter), any other's through the C API.
+#[inline]
+pub(crate) fn bytes_in<'a>(obj: &'a Bound<'_, PyBytes>) -> &'a [u8] {
+    let p = obj.as_ptr();
+    // SAFETY: a live object: its type is readable.
+    if unsafe { pyo3::ffi::Py_TYPE(p) } != std::ptr::addr_of_mut!(pyo3::ffi::PyBytes_Type) {
+        return obj.as_bytes();
+    }
+    let offset = *EXACT_BYTES_OFFSET.get_or_init(|| {
+        // SAFETY: `obj` is a live, exact `bytes`.
+        unsafe { data_offset(p) }
+    });
+    // SAFETY: a live, exact `bytes`, whose buffer starts `offset` bytes in as every exact
+    // `bytes`'s does; the slice is tied to the borrow of `obj`, which keeps it alive.
+    unsafe { bytes_at(p, offset) }
+}
+
 /// The Python type name of `obj`, for error messages.
 pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()

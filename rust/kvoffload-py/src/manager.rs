@@ -4,7 +4,7 @@
 //! policy is refused. Either way a held lock is waited for detached from the interpreter.
 
 use crate::errors::{poisoned, raise, to_py};
-use crate::keys::{one_key, result_types, Context, Keys, ResultTypes};
+use crate::keys::{bytes_in, one_key, result_types, Context, Keys, ResultTypes};
 use crate::liveness::Liveness;
 use crate::policy::external::PythonPolicy;
 use crate::policy::state::{state_dict, state_keys};
@@ -709,7 +709,7 @@ impl ManagerCore {
                             .and_then(|o| o.get(j))
                             .and_then(Option::as_ref);
                         match kept {
-                            Some(obj) if obj.bind(py).as_bytes() == key => Ok(obj.clone_ref(py)),
+                            Some(obj) if bytes_in(obj.bind(py)) == key => Ok(obj.clone_ref(py)),
                             _ => Err(key.to_vec()),
                         }
                     })
