@@ -335,7 +335,7 @@ pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
 #[inline]
 pub(crate) fn one_key<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
     match obj.cast::<PyBytes>() {
-        Ok(b) => Ok(b.as_bytes()),
+        Ok(b) => Ok(bytes_in(b)),
         Err(_) => Err(not_bytes(obj)),
     }
 }
