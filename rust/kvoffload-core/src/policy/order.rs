@@ -9,7 +9,8 @@
 //! Keys may belong to a *group* (LRU: the ranks `(request rank, -position)` of one request).
 //! A grouped key that cannot join the list joins its group's *run* instead: a sorted linked
 //! list of the group's members (the same per-chunk links), reached through a hash map from the
-//! group, and extended at either end in O(1). So a request that ranks more chunks a step after
+//! group (the last two groups reached are remembered, so a batch of one request's keys hashes
+//! none), and extended at either end in O(1). So a request that ranks more chunks a step after
 //! others were ranked (its stores after its prompt was loaded and touched) costs O(1) per chunk,
 //! and O(log r) once per run, r being the number of runs, for the run's place in the order.
 //! Any other insertion (a chunk whose old rank becomes evictable again, a grouped key that
