@@ -144,10 +144,9 @@ impl<'py> Keys<'py> {
             });
             if exact {
                 // Every exact `bytes` object has one layout, so its data lies at one offset
-                // from its start: read from the batch's first object, then added to the others
-                // (no call into the interpreter per key).
+                // from its start (no call into the interpreter per key).
                 // SAFETY: a live, exact `bytes` (above).
-                let offset = unsafe { data_offset(items[0]) };
+                let offset = unsafe { exact_offset(items[0]) };
                 self.bytes.extend(items.iter().map(|&p| {
                     // SAFETY: a live, exact `bytes` (above), whose buffer starts `offset` bytes
                     // in, as its type's do; kept in `objs` just below for as long as `self`
@@ -252,7 +251,7 @@ fn lend<R>(
     }
     let offset = match addrs.first() {
         // SAFETY: every item is a live, exact `bytes` (checked above).
-        Some(&p) => unsafe { data_offset(p as *mut pyo3::ffi::PyObject) },
+        Some(&p) => unsafe { exact_offset(p as *mut pyo3::ffi::PyObject) },
         None => 0,
     };
     let slices: Recycled<&[u8]> = addrs
@@ -305,6 +304,17 @@ unsafe fn bytes_at(obj: *mut pyo3::ffi::PyObject, offset: usize) -> &'static [u8
 /// once off a live one.
 static EXACT_BYTES_OFFSET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 
+/// How far into any exact `bytes` object its buffer starts: [`data_offset`] of the first one
+/// asked about, kept ([`EXACT_BYTES_OFFSET`]); later calls make no call into the interpreter.
+///
+/// # Safety
+/// `obj` is a live, exact `bytes` object, attached to the interpreter.
+#[inline]
+unsafe fn exact_offset(obj: *mut pyo3::ffi::PyObject) -> usize {
+    // SAFETY: per the contract.
+    *EXACT_BYTES_OFFSET.get_or_init(|| unsafe { data_offset(obj) })
+}
+
 /// The bytes of `obj`, a `bytes` object or subclass instance: an exact `bytes`'s read straight
 /// from its buffer (no call into the interpreter), any other's through the C API.
 #[inline]
@@ -314,13 +324,9 @@ pub(crate) fn bytes_in<'a>(obj: &'a Bound<'_, PyBytes>) -> &'a [u8] {
     if unsafe { pyo3::ffi::Py_TYPE(p) } != std::ptr::addr_of_mut!(pyo3::ffi::PyBytes_Type) {
         return obj.as_bytes();
     }
-    let offset = *EXACT_BYTES_OFFSET.get_or_init(|| {
-        // SAFETY: `obj` is a live, exact `bytes`.
-        unsafe { data_offset(p) }
-    });
-    // SAFETY: a live, exact `bytes`, whose buffer starts `offset` bytes in as every exact
-    // `bytes`'s does; the slice is tied to the borrow of `obj`, which keeps it alive.
-    unsafe { bytes_at(p, offset) }
+    // SAFETY: a live, exact `bytes`, whose buffer starts where every exact `bytes`'s does; the
+    // slice is tied to the borrow of `obj`, which keeps it alive.
+    unsafe { bytes_at(p, exact_offset(p)) }
 }
 
 /// The Python type name of `obj`, for error messages.

@@ -1144,7 +1144,7 @@ impl ManagerCore {
         };
         let body = |m: &mut Core,
                     s: Option<&mut core::RequestState>,
-                    obj: &mut dyn FnMut(usize) -> (usize, Option<Py<PyBytes>>)| {
+                    obj: &mut dyn FnMut(usize) -> Option<Py<PyBytes>>| {
             if let Some(now) = now {
                 m.set_clock(now);
             }
@@ -1161,9 +1161,8 @@ impl ManagerCore {
                     // The victims' objects, then those the stored keys' slots held.
                     objs = m.take_keys_leaving_room(&out.evicted_chunks, out.chunks.len());
                     for (&i, &c) in out.to_store.iter().zip(&out.chunks) {
-                        let (addr, o) = obj(i);
-                        m.memo.put(addr, c);
-                        if let Some(o) = o {
+                        if let Some(o) = obj(i) {
+                            m.memo.put(o.as_ptr() as usize, c);
                             objs.push(m.put_key(c, o));
                         }
                     }
@@ -1178,16 +1177,11 @@ impl ManagerCore {
         let ctx_obj = Some(ctx.object());
         let ((outcome, evicted_objs, dropped, mark, added), raised) = if detach {
             self.policy_call(py, ctx_obj, objs, Some(state.get()), |m, s| {
-                body(m, s, &mut |i| {
-                    let o = owned[i].take();
-                    (o.as_ref().map_or(0, |o| o.as_ptr() as usize), o)
-                })
+                body(m, s, &mut |i| owned[i].take())
             })?
         } else {
             self.policy_call_attached(py, ctx_obj, objs, Some(state.get()), |m, s| {
-                body(m, s, &mut |i| {
-                    (objs[i].as_ptr() as usize, Some(objs[i].clone().unbind()))
-                })
+                body(m, s, &mut |i| Some(objs[i].clone().unbind()))
             })?
         };
         drop((dropped, owned));
