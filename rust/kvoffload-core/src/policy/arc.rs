@@ -378,9 +378,15 @@ impl CachePolicy for ArcPolicy {
                 Some((KeyBuf::from_slice(a.key), a.hash, list == GhostList::B2))
             });
         }
-        // Each key's index word first, so the misses of a batch overlap.
+        // Each key's index word first, then (large lists) the entry it names, so the misses
+        // of a batch overlap (a ghost hit compares the entry's key).
         for a in keys {
             self.ghosts.prefetch(a.hash);
+        }
+        if self.ghosts.large() {
+            for a in keys {
+                self.ghosts.prefetch_entry(a.hash);
+            }
         }
         for a in keys.iter().rev() {
             self.ghost_hit(a.key, a.hash);
@@ -497,9 +503,7 @@ impl CachePolicy for ArcPolicy {
             push_ghost(&mut self.ghosts, ghost, keys, c);
         }
         for list in [GhostList::B1, GhostList::B2] {
-            while self.ghosts.len(list) > self.capacity {
-                self.ghosts.pop_front(list);
-            }
+            self.ghosts.trim(list, self.capacity);
         }
         true
     }

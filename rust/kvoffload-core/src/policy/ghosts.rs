@@ -32,6 +32,10 @@ const FREE: u8 = 2;
 /// Index words of a fresh structure (a power of two).
 const MIN_INDEX: usize = 8;
 
+/// Entries (64 bytes each: 2 MiB) from which the lists are [`large`](GhostLists::large): likely
+/// out of the CPU's nearer caches, so that reading them ahead pays for the reading.
+const LARGE: usize = 32_768;
+
 /// Which ghost list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum GhostList {
@@ -142,6 +146,37 @@ impl GhostLists {
         }
     }
 
+    /// Whether the lists are large enough ([`LARGE`] entries) that their reads miss the nearer
+    /// caches: then batches of them are better started early (see `trim`).
+    #[inline]
+    pub(crate) fn large(&self) -> bool {
+        self.entries.len() >= LARGE
+    }
+
+    /// Start loading the entry a probe for `hash` compares first (the first word of the probe
+    /// run with `hash`'s tag), reading the index words up to it: best after
+    /// [`prefetch`](Self::prefetch) of a batch's hashes, so that these reads wait together.
+    /// Changes nothing.
+    #[inline]
+    pub(crate) fn prefetch_entry(&self, hash: u64) {
+        let mask = self.index.len().wrapping_sub(1);
+        let tag = hash >> 32;
+        let mut at = (hash >> self.shift) as usize;
+        while let Some(&word) = self.index.get(at) {
+            let e = word as u32;
+            if e == 0 {
+                return;
+            }
+            if word >> 32 == tag {
+                if let Some(x) = self.entries.get(e as usize - 1) {
+                    crate::mem::prefetch(x);
+                }
+                return;
+            }
+            at = (at + 1) & mask;
+        }
+    }
+
     /// Start loading the oldest entry of `list` (the next `pop_front`'s); changes nothing.
     #[inline]
     pub(crate) fn prefetch_oldest(&self, list: GhostList) {
@@ -233,6 +268,26 @@ impl GhostLists {
                 self.index[at] = (hash >> 32 << 32) | u64::from(e + 1);
                 self.link_back(e, list);
             }
+        }
+    }
+
+    /// Drop the oldest ghosts of `list` until at most `keep` remain. When the lists are
+    /// [`large`](Self::large), a walk over those ghosts first starts loading each one's index
+    /// word, so that those misses overlap the walk's own.
+    pub(crate) fn trim(&mut self, list: GhostList, keep: usize) {
+        let excess = self.lists[list as usize].len.saturating_sub(keep);
+        if excess > 1 && self.large() {
+            let mut e = self.lists[list as usize].head;
+            for _ in 0..excess {
+                let Some(x) = self.entries.get(e as usize) else {
+                    break;
+                };
+                self.prefetch(x.hash);
+                e = x.next;
+            }
+        }
+        for _ in 0..excess {
+            self.pop_front(list);
         }
     }
 
@@ -621,6 +676,35 @@ mod tests {
         g.clear();
         assert_eq!(g.len(B1), 0);
         g.validate(hash_key).unwrap();
+    }
+
+    #[test]
+    fn trim_drops_the_oldest_small_and_large() {
+        // Under LARGE entries trim pops one by one; from LARGE on it walks the ghosts first.
+        for n in [50, LARGE + 300] {
+            let mut g = GhostLists::new();
+            for i in 0..n {
+                g.push(B1, &key(i), hash_key(&key(i)));
+            }
+            g.push(B2, &key(n), hash_key(&key(n)));
+            assert_eq!(g.large(), n >= LARGE);
+            // Moved to the back and removed from the middle: the walk follows the list.
+            g.move_to_back(&key(7), hash_key(&key(7)));
+            g.remove(&key(9), hash_key(&key(9)));
+            for a in [key(3), key(7), key(n + 1)] {
+                g.prefetch_entry(hash_key(&a));
+            }
+            g.trim(B1, n + 10);
+            assert_eq!(g.len(B1), n - 1);
+            g.trim(B1, 20);
+            let mut want: Vec<_> = (0..n).filter(|&i| i != 7 && i != 9).map(key).collect();
+            want.push(key(7));
+            assert_eq!(keys_of(&g, B1), want[want.len() - 20..].to_vec());
+            assert_eq!(keys_of(&g, B2), vec![key(n)]);
+            g.trim(B2, 0);
+            assert_eq!(g.len(B2), 0);
+            g.validate(hash_key).unwrap();
+        }
     }
 
     #[test]
