@@ -69,17 +69,24 @@ def test_ffi_cases_give_ns_per_key_for_both_builds() -> None:
 
 def test_each_build_runs_its_own_copy_of_the_package(tmp_path: Path) -> None:
     ab = _load_tool()
-    dirs = {label: ab.prepare(".", tmp_path, label) for label in ("A", "B")}
-    builds = ab.Builds(dirs)
-    files = {
-        label: Path(builds.module(label, "kvoffload._native").__file__).resolve() for label in dirs
-    }
-    assert files["A"] != files["B"]
-    assert files["A"].parent.parent == (tmp_path / "A").resolve()
-    # Nothing of either build is left importable as kvoffload outside ``use``.
-    assert "kvoffload" not in sys.modules or sys.modules["kvoffload"].__file__ not in {
-        str(d / "kvoffload" / "__init__.py") for d in dirs.values()
-    }
+    # The tool swaps kvoffload's modules in sys.modules: put this session's back afterwards,
+    # or every later test would meet a second copy of kvoffload's classes.
+    saved = {n: m for n, m in sys.modules.items() if ab._owned(n)}
+    try:
+        dirs = {label: ab.prepare(".", tmp_path, label) for label in ("A", "B")}
+        builds = ab.Builds(dirs)
+        files = {
+            label: Path(builds.module(label, "kvoffload._native").__file__).resolve()
+            for label in dirs
+        }
+        assert files["A"] != files["B"]
+        assert files["A"].parent.parent == (tmp_path / "A").resolve()
+        # Outside `use`, neither build is importable as kvoffload.
+        assert not any(ab._owned(n) for n in sys.modules)
+    finally:
+        for name in [n for n in sys.modules if ab._owned(n)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
 
 
 def test_an_unknown_build_is_refused() -> None:
