@@ -45,12 +45,15 @@ from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# The bench modules each build imports its own copy of (OWN).
+if str(ROOT / "benches") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benches"))
 CACHE = ROOT / ".ab-cache"
 EXT = "_native.abi3.so"
 #: What maturin builds the extension with (pyproject.toml's ``[tool.maturin] features``).
 FEATURES = ("--features", "pyo3/extension-module")
 #: Modules each build has its own copy of: the package and the bench modules that import it.
-OWN = ("kvoffload", "cases")
+OWN = ("kvoffload", "cases", "vllm_step")
 #: Call kinds of the replay, in the order shown.
 KINDS = (
     "prepare_store",
@@ -211,31 +214,17 @@ def replay_ab(
     workload = first.generate(first.WorkloadConfig(requests=requests, seed=0, lookup_mode="single"))
     best: dict[str, dict[str, float]] = {}
     digests: dict[str, str] = {}
+    # Built and replayed as benches/vllm_step.py does, with each build's copy of it.
+    steps = {label: builds.module(label, "vllm_step") for label in labels} if oracle else {}
     for label in _rotations(labels, rounds):
         with builds.use(label) as mods:
-            wk = mods["kvoffload.workload"]
             if oracle is None:
                 manager = mods["kvoffload"].CPUOffloadingManager(chunks, cache_policy=policy)
-                result = wk.replay(manager, workload)
+                result = mods["kvoffload.workload"].replay(manager, workload)
             else:
-                import vllm_oracle
-
-                extra = {
-                    "spec_name": "KVOffloadCPUOffloadingSpec",
-                    "spec_module_path": "kvoffload.integrations.vllm",
-                    "eviction_policy": policy,
-                }
-                config = vllm_oracle.offloading_config(oracle, chunks, extra, False)
-                spec = oracle.factory.OffloadingSpecFactory.create_spec(config)
-                manager = spec.get_manager()
-                if not type(manager).__module__.startswith("kvoffload"):
-                    raise SystemExit(f"ab: vLLM built {type(manager)}, not kvoffload's manager")
-                result = wk.replay(
-                    manager,
-                    workload,
-                    lookup_result=oracle.base.LookupResult,
-                    context_cls=oracle.ReqContext,
-                )
+                vs = steps[label]
+                make = vs.build(oracle, chunks, vs.extra_configs(policy)["kvoffload"], False)
+                result = vs.run_one(oracle, "kvoffload", make, workload, False)
         ms = {k: s.net_ns(result.timer_overhead_ns) / 1e6 for k, s in result.kinds.items()}
         ms["total"] = sum(ms.values())
         prev = best.get(label)
@@ -251,8 +240,6 @@ def ffi_ab(
     builds: Builds, policy: str, ops: list[str], size: int, rounds: int
 ) -> dict[str, dict[str, float]]:
     """Fastest ns per key of each FFI case for each build (interleaved runs)."""
-    if str(ROOT / "benches") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benches"))
     labels = list(builds.modules)
     caches = {}
     for label in labels:

@@ -156,7 +156,8 @@ impl GhostLists {
     /// Start loading the entry a probe for `hash` compares first (the first word of the probe
     /// run with `hash`'s tag), reading the index words up to it: best after
     /// [`prefetch`](Self::prefetch) of a batch's hashes, so that these reads wait together.
-    /// Changes nothing.
+    /// Changes nothing. (`probe`'s walk, stopping at the tag instead of comparing the entry;
+    /// sharing one walk through a closure cost `probe` 1.4% more instructions in ARC's store.)
     #[inline]
     pub(crate) fn prefetch_entry(&self, hash: u64) {
         let mask = self.index.len().wrapping_sub(1);
