@@ -16,6 +16,7 @@ __all__ = [
     "PolicyRequestRank",
     "RequestState",
     "__version__",
+    "_list_access",
     "_raise_core_error",
     "register_context_type",
 ]
@@ -111,6 +112,7 @@ class PolicyCore:
     def check_invariants(self) -> None: ...
 
 def _raise_core_error(variant: str) -> None: ...
+def _list_access(mode: str | None = None) -> str: ...
 
 @final
 class HostMemoryOwner:

@@ -2,6 +2,7 @@
 //! from the `bytes` objects, token positions and request state read from the context.
 
 use crate::errors::{invalid_key, raise};
+use crate::lists::Items;
 use kvoffload_core::recycle::{self, Recycled};
 use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
@@ -99,10 +100,11 @@ impl<'py> Keys<'py> {
     /// is a live object. No Python code runs inside, so the section is never suspended.
     fn extend_from_list(&mut self, list: &Bound<'py, PyList>) -> PyResult<()> {
         pyo3::sync::critical_section::with_critical_section(list.as_any(), || {
+            let items = Items::of(list);
             self.extend_from_items(list.py(), list.len(), |i| {
                 // SAFETY: `list` is a live list that cannot change meanwhile and `i` is below
                 // its length.
-                unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i) }
+                unsafe { items.get(i) }
             })
         })
     }
@@ -187,10 +189,11 @@ impl<'py> Keys<'py> {
                 if list.len() > max_keys {
                     return None;
                 }
+                let items = Items::of(list);
                 lend(list.len(), f, |i| {
                     // SAFETY: `list` is a live list that cannot change meanwhile and `i` is
                     // below its length.
-                    unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i) }
+                    unsafe { items.get(i) }
                 })
             })
         } else if let Ok(tuple) = obj.cast_exact::<PyTuple>() {

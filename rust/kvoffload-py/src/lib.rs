@@ -4,6 +4,7 @@ mod errors;
 mod fastcall;
 mod host;
 mod keys;
+mod lists;
 mod liveness;
 mod manager;
 mod policy;
@@ -22,6 +23,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<request::PolicyRequestRank>()?;
     m.add_function(wrap_pyfunction!(keys::register_context_type, m)?)?;
     m.add_function(wrap_pyfunction!(errors::_raise_core_error, m)?)?;
+    m.add_function(wrap_pyfunction!(lists::_list_access, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -5,6 +5,7 @@
 
 use crate::errors::{poisoned, raise, to_py};
 use crate::keys::{bytes_in, one_key, result_types, Context, Keys, ResultTypes};
+use crate::lists::new_list;
 use crate::liveness::Liveness;
 use crate::policy::external::PythonPolicy;
 use crate::policy::state::{state_dict, state_keys};
@@ -739,14 +740,14 @@ impl ManagerCore {
         out: core::StoreOutcome,
         mut evicted_objs: Recycled<Option<Py<PyBytes>>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let to_store = PyList::new(py, out.to_store.iter().map(|&i| &objs[i]))?;
+        let to_store = new_list(py, out.to_store.iter().map(|&i| objs[i].clone()))?;
         // The stored objects of the victims, moved into the list (no reference count
         // traffic). Every resident chunk has its object; were one missing, the core's copy of
         // the key (kept when events are on) stands in, or the call reports the broken
         // invariant.
         let n_evicted = out.evicted_chunks.len();
         let mut missing = None;
-        let evicted = PyList::new(
+        let evicted = new_list(
             py,
             evicted_objs.drain(..n_evicted).enumerate().map(|(i, obj)| {
                 match (obj, out.evicted.get(i)) {
@@ -1296,7 +1297,9 @@ impl ManagerCore {
             .drain(..)
             .map(|e| {
                 let keys = match e.keys {
-                    KeptKeys::Objects(n) => PyList::new(py, remaining.by_ref().take(n))?,
+                    KeptKeys::Objects(n) => {
+                        new_list(py, remaining.by_ref().take(n).map(|o| o.into_bound(py)))?
+                    }
                     KeptKeys::Bytes(keys) => {
                         PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k)))?
                     }
