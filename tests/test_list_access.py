@@ -1,6 +1,7 @@
-"""The binding reads and fills Python lists through their item array where the list layout
-checks out, and through ``PyList_GetItem``/``PyList_SetItem`` otherwise: both paths give the
-same answers. ``kvoffload._native._list_access`` reports and switches the path."""
+"""The binding reads and fills Python lists, and reads tuples, through their item arrays where
+the layouts check out, and through ``PyList_GetItem``/``PyList_SetItem``/``PyTuple_GetItem``
+otherwise: both paths give the same answers. ``kvoffload._native._list_access`` reports and
+switches the path."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def test_unknown_mode_is_refused_and_changes_nothing() -> None:
 
 def _store_round(keys: list[bytes]) -> list[object]:
     """Answers of a small cache through stores with eviction, loads, lookups and events,
-    with keys given as lists (read by the binding) and answered as lists (filled by it)."""
+    with keys given as lists and tuples (read by the binding) and answered as lists (filled by
+    it)."""
     m = kvoffload.CPUOffloadingManager(8, enable_events=True)
     ctx = kvoffload.ReqContext(req_id="r")
     seen: list[object] = []
@@ -54,14 +56,15 @@ def _store_round(keys: list[bytes]) -> list[object]:
                 [k is b for k, b in zip(out.keys_to_store, batch, strict=False)],
             )
         )
-        m.complete_store(list(out.keys_to_store))
+        m.complete_store(tuple(out.keys_to_store))
         resident = [k for k in batch if m.lookup(k, ctx)]
-        seen.append(m.lookup_prefix(list(batch), ctx))
+        seen.append((m.lookup_prefix(list(batch), ctx), m.lookup_prefix(tuple(batch), ctx)))
         if resident:
-            spec = m.prepare_load(resident, ctx)
+            spec = m.prepare_load(tuple(resident), ctx)
             seen.append(spec.chunk_ids.tolist())
             m.complete_load(resident)
         m.touch(list(batch))
+        m.touch(tuple(batch[:2]))
     seen.append(
         [(sorted(e.keys), e.removed) for e in m.take_events()]  # type: ignore[attr-defined]
     )
@@ -76,7 +79,9 @@ def test_both_paths_answer_alike(api_lists: None) -> None:
     direct = _store_round(keys)
     assert direct == through_api
     # The stored key objects come back as themselves, not copies, on both paths.
-    assert all(all(same) for *_, same in (s for s in direct if isinstance(s, tuple)))
+    stores = [s for s in direct if isinstance(s, tuple) and len(s) == 4]
+    assert len(stores) == 10
+    assert all(all(same) for *_, same in stores)
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])

@@ -35,9 +35,10 @@ impl<'py> Keys<'py> {
         } else if let Ok(tuple) = obj.cast_exact::<PyTuple>() {
             // A tuple's items never change and it lives through the call (the caller holds
             // it), so its borrowed items stay live without a critical section.
+            let items = Items::of_tuple(tuple);
             keys.extend_from_items(py, tuple.len(), |i| {
                 // SAFETY: `tuple` is a live tuple and `i` below its length.
-                unsafe { pyo3::ffi::PyTuple_GetItem(tuple.as_ptr(), i) }
+                unsafe { items.get(i) }
             })?;
         } else if obj.is_instance_of::<PyBytes>() {
             return Err(invalid_key(
@@ -200,9 +201,10 @@ impl<'py> Keys<'py> {
             if tuple.len() > max_keys {
                 return None;
             }
+            let items = Items::of_tuple(tuple);
             lend(tuple.len(), f, |i| {
                 // SAFETY: `tuple` is a live tuple and `i` below its length.
-                unsafe { pyo3::ffi::PyTuple_GetItem(tuple.as_ptr(), i) }
+                unsafe { items.get(i) }
             })
         } else {
             None

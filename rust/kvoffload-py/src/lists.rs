@@ -1,4 +1,4 @@
-//! Python lists read and filled without a call into the interpreter per item.
+//! Python lists (and tuples) read and filled without a call into the interpreter per item.
 //!
 //! The limited API (abi3) reaches a list's items only through `PyList_GetItem` and
 //! `PyList_SetItem`, one call each (the second also checks the list and drops the item it
@@ -8,13 +8,14 @@
 //! layout is checked once, against the C API's own answers, on a live list
 //! ([`direct`]); where it holds, the items are read from and written to `ob_item`, as
 //! `CPython`'s own `PyList_GET_ITEM` and `PyList_SET_ITEM` macros do; where it does not, the
-//! C API functions serve.
+//! C API functions serve. A tuple's items follow its header inline; that layout is checked
+//! with the list's, and read the same way.
 
 use crate::errors::to_py;
 use kvoffload_core::CoreError;
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyList, PyTuple};
 use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Word size: every field of a list's layout is one word.
@@ -47,8 +48,9 @@ fn init_mode(py: Python<'_>) -> u8 {
     }
 }
 
-/// `_native._list_access(mode=None)`: how the binding reads and fills lists, `"direct"` (the
-/// item array) or `"api"` (`PyList_GetItem`/`PyList_SetItem`). `mode="api"` switches to the
+/// `_native._list_access(mode=None)`: how the binding reads and fills lists and reads tuples,
+/// `"direct"` (the item arrays) or `"api"` (`PyList_GetItem`/`PyList_SetItem`,
+/// `PyTuple_GetItem`). `mode="api"` switches to the
 /// C API (for tests of that path); `mode="direct"` switches back only where the layout checks
 /// out. Returns the mode in force afterwards.
 #[pyfunction]
@@ -103,7 +105,44 @@ fn check_layout(py: Python<'_>) -> bool {
             return false;
         }
         let items = items as *const *mut ffi::PyObject;
-        (0..3).all(|i| *items.add(i) == ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t))
+        if !(0..3)
+            .all(|i| *items.add(i) == ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t))
+        {
+            return false;
+        }
+    }
+    check_tuple_layout(py)
+}
+
+/// Whether a tuple is `{refcnt, type, size}` followed by its items inline (`ob_item[]`): the
+/// type's basic size is three words and its item size one, and on a live three-item tuple the
+/// third word is its size and the next three its items, as `PyTuple_GetItem` answers.
+#[cold]
+fn check_tuple_layout(py: Python<'_>) -> bool {
+    let ty = py.get_type::<PyTuple>();
+    let basic = ty
+        .getattr("__basicsize__")
+        .and_then(|v| v.extract::<usize>())
+        .unwrap_or(0);
+    let per_item = ty
+        .getattr("__itemsize__")
+        .and_then(|v| v.extract::<usize>())
+        .unwrap_or(0);
+    if basic != 3 * W || per_item != W {
+        return false;
+    }
+    let Ok(tuple) = PyTuple::new(py, [1u8, 2, 3]) else {
+        return false;
+    };
+    let p = tuple.as_ptr().cast::<usize>().cast_const();
+    // SAFETY: a tuple of three items is `basic` plus three item words long: words 2 to 5 are
+    // readable.
+    unsafe {
+        *p.add(2) == 3
+            && (0..3).all(|i| {
+                *p.add(3 + i) as *mut ffi::PyObject
+                    == ffi::PyTuple_GetItem(tuple.as_ptr(), i as ffi::Py_ssize_t)
+            })
     }
 }
 
@@ -117,12 +156,16 @@ unsafe fn item_array(list: *mut ffi::PyObject) -> *mut *mut ffi::PyObject {
     unsafe { *list.cast::<*mut *mut ffi::PyObject>().add(3) }
 }
 
-/// A reader of a list's items, borrowed: `ob_item`'s entries, or `PyList_GetItem`'s.
+/// A reader of a list's or tuple's items, borrowed: the item array's entries, or those
+/// `PyList_GetItem` or `PyTuple_GetItem` answer.
 #[derive(Clone, Copy)]
 pub(crate) struct Items {
-    list: *mut ffi::PyObject,
+    /// The list or tuple.
+    obj: *mut ffi::PyObject,
     /// The item array, when the layout allows reading it.
     array: *mut *mut ffi::PyObject,
+    /// Whether `obj` is a tuple (read by `PyTuple_GetItem` without the array).
+    tuple: bool,
 }
 
 impl Items {
@@ -137,7 +180,30 @@ impl Items {
         } else {
             std::ptr::null_mut()
         };
-        Self { list: p, array }
+        Self {
+            obj: p,
+            array,
+            tuple: false,
+        }
+    }
+
+    /// The items of `tuple`, which must stay live while this reader is used (its items never
+    /// change).
+    #[inline]
+    pub(crate) fn of_tuple(tuple: &Bound<'_, PyTuple>) -> Self {
+        let p = tuple.as_ptr();
+        let array = if direct(tuple.py()) {
+            // SAFETY: a live tuple of the checked layout: its items follow its three header
+            // words (an address computed, nothing read).
+            unsafe { p.cast::<*mut ffi::PyObject>().add(3) }
+        } else {
+            std::ptr::null_mut()
+        };
+        Self {
+            obj: p,
+            array,
+            tuple: true,
+        }
     }
 
     /// Item `i` (borrowed; null if `i` is out of range, with the C API's error set where it
@@ -148,8 +214,14 @@ impl Items {
     #[inline]
     pub(crate) unsafe fn get(self, i: ffi::Py_ssize_t) -> *mut ffi::PyObject {
         if self.array.is_null() {
-            // SAFETY: a live list.
-            unsafe { ffi::PyList_GetItem(self.list, i) }
+            // SAFETY: a live list or tuple, as `tuple` says.
+            unsafe {
+                if self.tuple {
+                    ffi::PyTuple_GetItem(self.obj, i)
+                } else {
+                    ffi::PyList_GetItem(self.obj, i)
+                }
+            }
         } else {
             // SAFETY: `i` is below the length, so within the item array, which holds a live
             // object at every index below it.
