@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "ab.py"
 
@@ -53,10 +51,12 @@ def test_replay_in_own_types_gives_every_call_kind_for_both_builds() -> None:
         assert a > 0
         assert b > 0
         assert ratio > 0
-    # The total row sums the kinds (the cells are rounded to hundredths).
+    # The total row is the fastest round's whole replay, each kind's row its fastest round:
+    # the total is at least the kinds' sum (the cells are rounded to hundredths), and equal to
+    # it when one round was fastest in every kind. (The rows above are the last policy's.)
     for col in (0, 1):
         kinds = sum(v[col] for k, v in rows.items() if k != "total" and "replay" not in k)
-        assert rows["total"][col] == pytest.approx(kinds, abs=0.1)
+        assert rows["total"][col] >= kinds - 0.05
 
 
 def test_ffi_cases_give_ns_per_key_for_both_builds() -> None:
