@@ -80,15 +80,7 @@ pub(crate) fn _list_access(py: Python<'_>, mode: Option<&str>) -> PyResult<&'sta
 /// array the fourth points to holds what `PyList_GetItem` answers.
 #[cold]
 fn check_layout(py: Python<'_>) -> bool {
-    let ty = py.get_type::<PyList>();
-    let basic = ty
-        .getattr("__basicsize__")
-        .and_then(|v| v.extract::<usize>())
-        .unwrap_or(0);
-    let per_item = ty
-        .getattr("__itemsize__")
-        .and_then(|v| v.extract::<usize>())
-        .unwrap_or(usize::MAX);
+    let (basic, per_item) = sizes(&py.get_type::<PyList>());
     if basic != 5 * W || per_item != 0 {
         return false;
     }
@@ -119,15 +111,7 @@ fn check_layout(py: Python<'_>) -> bool {
 /// third word is its size and the next three its items, as `PyTuple_GetItem` answers.
 #[cold]
 fn check_tuple_layout(py: Python<'_>) -> bool {
-    let ty = py.get_type::<PyTuple>();
-    let basic = ty
-        .getattr("__basicsize__")
-        .and_then(|v| v.extract::<usize>())
-        .unwrap_or(0);
-    let per_item = ty
-        .getattr("__itemsize__")
-        .and_then(|v| v.extract::<usize>())
-        .unwrap_or(0);
+    let (basic, per_item) = sizes(&py.get_type::<PyTuple>());
     if basic != 3 * W || per_item != W {
         return false;
     }
@@ -144,6 +128,17 @@ fn check_tuple_layout(py: Python<'_>) -> bool {
                     == ffi::PyTuple_GetItem(tuple.as_ptr(), i as ffi::Py_ssize_t)
             })
     }
+}
+
+/// A type's `__basicsize__` and `__itemsize__` (`usize::MAX` for one that cannot be read,
+/// which no layout check accepts).
+fn sizes(ty: &Bound<'_, pyo3::types::PyType>) -> (usize, usize) {
+    let read = |name: &str| {
+        ty.getattr(name)
+            .and_then(|v| v.extract::<usize>())
+            .unwrap_or(usize::MAX)
+    };
+    (read("__basicsize__"), read("__itemsize__"))
 }
 
 /// The item array of `list` where lists have the checked layout.
