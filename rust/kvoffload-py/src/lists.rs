@@ -38,10 +38,20 @@ fn direct(py: Python<'_>) -> bool {
     }
 }
 
+/// The mode the layouts allow: [`DIRECT`] where they check out, else [`API`].
+#[cold]
+fn checked_mode(py: Python<'_>) -> u8 {
+    if check_layout(py) {
+        DIRECT
+    } else {
+        API
+    }
+}
+
 /// Check the layout and settle the mode (a racing check finds the same answer).
 #[cold]
 fn init_mode(py: Python<'_>) -> u8 {
-    let mode = if check_layout(py) { DIRECT } else { API };
+    let mode = checked_mode(py);
     match MODE.compare_exchange(UNKNOWN, mode, Ordering::Relaxed, Ordering::Relaxed) {
         Ok(_) => mode,
         Err(set) => set,
@@ -59,10 +69,7 @@ pub(crate) fn _list_access(py: Python<'_>, mode: Option<&str>) -> PyResult<&'sta
     match mode {
         None => {}
         Some("api") => MODE.store(API, Ordering::Relaxed),
-        Some("direct") => {
-            let m = if check_layout(py) { DIRECT } else { API };
-            MODE.store(m, Ordering::Relaxed);
-        }
+        Some("direct") => MODE.store(checked_mode(py), Ordering::Relaxed),
         Some(other) => {
             return Err(crate::errors::raise(
                 py,
@@ -77,7 +84,8 @@ pub(crate) fn _list_access(py: Python<'_>, mode: Option<&str>) -> PyResult<&'sta
 /// Whether a list is the five words `{refcnt, type, size, ob_item, allocated}` (a release
 /// build of `CPython` 3.10+): the type's basic size is five words and has no items inline, and
 /// on a live three-item list the third word is its size, the fifth at least that, and the
-/// array the fourth points to holds what `PyList_GetItem` answers.
+/// array the fourth points to holds what `PyList_GetItem` answers; and a tuple has its layout
+/// too ([`check_tuple_layout`]).
 #[cold]
 fn check_layout(py: Python<'_>) -> bool {
     let (basic, per_item) = sizes(&py.get_type::<PyList>());
@@ -168,36 +176,32 @@ impl Items {
     /// while this reader is used: the caller holds the list's critical section.
     #[inline]
     pub(crate) fn of(list: &Bound<'_, PyList>) -> Self {
-        let p = list.as_ptr();
-        let array = if direct(list.py()) {
-            // SAFETY: a live list, checked layout.
-            unsafe { item_array(p) }
-        } else {
-            std::ptr::null_mut()
-        };
-        Self {
-            obj: p,
-            array,
-            tuple: false,
-        }
+        Self::new(list.as_any(), false)
     }
 
     /// The items of `tuple`, which must stay live while this reader is used (its items never
     /// change).
     #[inline]
     pub(crate) fn of_tuple(tuple: &Bound<'_, PyTuple>) -> Self {
-        let p = tuple.as_ptr();
-        let array = if direct(tuple.py()) {
+        Self::new(tuple.as_any(), true)
+    }
+
+    /// The reader of `obj`, a live list (`tuple` false) or tuple.
+    #[inline]
+    fn new(obj: &Bound<'_, PyAny>, tuple: bool) -> Self {
+        let p = obj.as_ptr();
+        let array = match (direct(obj.py()), tuple) {
+            (false, _) => std::ptr::null_mut(),
+            // SAFETY: a live list of the checked layout.
+            (true, false) => unsafe { item_array(p) },
             // SAFETY: a live tuple of the checked layout: its items follow its three header
             // words (an address computed, nothing read).
-            unsafe { p.cast::<*mut ffi::PyObject>().add(3) }
-        } else {
-            std::ptr::null_mut()
+            (true, true) => unsafe { p.cast::<*mut ffi::PyObject>().add(3) },
         };
         Self {
             obj: p,
             array,
-            tuple: true,
+            tuple,
         }
     }
 
