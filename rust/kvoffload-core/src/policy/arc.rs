@@ -394,10 +394,14 @@ impl CachePolicy for ArcPolicy {
     }
 
     fn prefetch(&self, chunk: ChunkId) {
-        // Which order holds the chunk is itself behind a miss: fetch the list entry only.
+        // Which order holds the chunk is itself behind a miss: fetch its list entry, and its
+        // place in both orders (pinning and releasing a chunk read only its place there), not
+        // a node, which only the order holding it would need.
         if let Some(x) = self.info.get(chunk as usize) {
             crate::mem::prefetch(x);
         }
+        self.t1_evictable.prefetch_place(chunk);
+        self.t2_evictable.prefetch_place(chunk);
     }
 
     fn reads_access_keys(&self, _positions: bool) -> bool {

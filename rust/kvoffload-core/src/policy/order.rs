@@ -260,6 +260,13 @@ impl<K: OrderKey> SharedOrder<K> {
         self.contains(c).then(|| nodes[c as usize].key)
     }
 
+    /// Start loading `c`'s place alone (not its node); changes nothing.
+    pub(crate) fn prefetch_place(&self, c: ChunkId) {
+        if let Some(p) = self.place.get(c as usize) {
+            crate::mem::prefetch(p);
+        }
+    }
+
     /// Start loading `c`'s entry into the cache; changes nothing.
     pub(crate) fn prefetch(&self, nodes: &[Node<K>], c: ChunkId) {
         let i = c as usize;
