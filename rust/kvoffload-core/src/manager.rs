@@ -549,6 +549,7 @@ impl Manager {
     ) -> Result<Vec<ChunkId>> {
         self.apply_releases();
         check_positions(keys, positions)?;
+        req.reserve_fetched(keys.len());
         let hashes: Scratch<u64> = self.slots.hash_batch(keys);
         let found = self.resolve(keys, &hashes);
         let mut chunks = recycle::take(keys.len());
@@ -747,6 +748,7 @@ impl Manager {
         self.apply_releases();
         check_positions(keys, positions)?;
         check_key_lengths(keys.iter().map(|k| k.len()))?;
+        req.reserve_fetched(keys.len());
         let hashes: Scratch<u64> = self.slots.hash_batch(keys);
         check_distinct(keys, &hashes)?;
         let found = self.resolve(keys, &hashes);

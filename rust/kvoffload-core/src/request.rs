@@ -200,6 +200,21 @@ impl RequestState {
         self.table.reserve(len + n, len + extra, &self.seen);
     }
 
+    /// [`reserve`](Self::reserve) room for `n` more keys and start loading the lines their
+    /// entries will be written to: a fresh request's entries lie in memory nothing has
+    /// touched lately, and writing them cold stalls the recording loop.
+    pub(crate) fn reserve_fetched(&mut self, n: usize) {
+        self.reserve(n);
+        let room = self.seen.spare_capacity_mut()[..n].as_ptr_range();
+        let (start, end) = (room.start.cast::<u8>(), room.end.cast::<u8>());
+        // From the line the first entry starts in, so that the last one's is fetched too.
+        let mut p = start.wrapping_sub(start as usize % 64);
+        while p < end {
+            crate::mem::prefetch_addr(p);
+            p = p.wrapping_add(64);
+        }
+    }
+
     /// Forget the keys added after the first `len` (undoing a call that failed).
     pub(crate) fn truncate(&mut self, len: usize) {
         self.added.clear();
