@@ -1458,7 +1458,8 @@ impl Manager {
     /// Record a request's access to `keys[i]` for `i` in `which` (call order): keys new to the
     /// request are added to its state and go to `on_request_access`. `resident(i)` is the chunk
     /// of `keys[i]` at this moment. `false`: an external policy failed (the caller truncates
-    /// the request's state).
+    /// the request's state). The caller reserved room for the keys at the call's start
+    /// ([`RequestState::reserve_fetched`]).
     // Out of line: inlined into its two callers, it measured more instructions (callgrind).
     #[inline(never)]
     fn record_new(
@@ -1468,7 +1469,7 @@ impl Manager {
         which: impl ExactSizeIterator<Item = usize>,
         resident: impl Fn(usize) -> Option<ChunkId>,
     ) -> bool {
-        req.reserve(which.len());
+        debug_assert!(req.has_room(which.len()));
         req.added.clear();
         req.added.reserve(which.len());
         // The keys go to the policy only if it reads them (LRU without positions, ARC: not);

@@ -215,6 +215,12 @@ impl RequestState {
         }
     }
 
+    /// Whether `n` more keys fit without growing (what [`reserve`](Self::reserve) makes sure).
+    pub(crate) fn has_room(&self, n: usize) -> bool {
+        let want = self.seen.len() + n;
+        self.seen.capacity() >= want && want * 2 <= self.table.entries.len()
+    }
+
     /// Forget the keys added after the first `len` (undoing a call that failed).
     pub(crate) fn truncate(&mut self, len: usize) {
         self.added.clear();
