@@ -757,13 +757,12 @@ impl Manager {
             None => Vec::new().into(),
         };
         // One pass sorts the keys: the keys the call records (admitted absent or readable), the
-        // candidates (admitted absent), the readable ones, each key's chunk (pending or
-        // readable) and the number of absent ones.
+        // candidates (admitted absent), the readable ones and the number of absent ones. Each
+        // key's chunk (pending or readable) is `found`'s.
         let n = keys.len();
         let mut recorded: Scratch<usize> = Scratch::with_capacity(n);
         let mut candidates: Scratch<usize> = Scratch::with_capacity(n);
         let mut readable: Scratch<usize> = Vec::new().into();
-        let mut resident: Scratch<Option<ChunkId>> = Scratch::with_capacity(n);
         let mut absent = 0;
         let tracked = self.tracked(keys, &hashes);
         for (i, &c) in found.iter().enumerate() {
@@ -782,8 +781,8 @@ impl Manager {
                     readable.push(i);
                 }
             }
-            resident.push(c);
         }
+        let resident = found;
         // Distinct keys: checked above. Which of them the request reported before is read
         // only for a policy that takes store misses; for any other, the keys are resolved as
         // they are recorded (one probe each), not looked up first.
@@ -848,11 +847,7 @@ impl Manager {
             }
         }
         Ok(Some(StoreOutcome {
-            to_store: {
-                let mut to_store = recycle::take(candidates.len());
-                to_store.extend_from_slice(&candidates);
-                to_store
-            },
+            to_store: candidates.into_vec(),
             chunks,
             evicted,
             evicted_chunks: victims,

@@ -167,6 +167,16 @@ impl<T> Recycled<T> {
     }
 }
 
+impl<T> Recycled<T> {
+    /// The vector itself, no longer handed back when dropped (a caller that returns it hands
+    /// it back, or lets it go, as with any vector from [`take`]).
+    #[inline]
+    #[must_use]
+    pub fn into_vec(mut self) -> Vec<T> {
+        std::mem::take(&mut self.0)
+    }
+}
+
 impl<T> From<Vec<T>> for Recycled<T> {
     fn from(v: Vec<T>) -> Self {
         Self(v)
