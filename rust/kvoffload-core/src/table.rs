@@ -193,6 +193,48 @@ fn entry_tag_matches(e: u64, hash: u64) -> bool {
     e != 0 && (e ^ hash) >> 32 == 0
 }
 
+/// A bucket's entries (loaded with `order`) and a mask of those for which `hit` holds (bit
+/// `i`: entry `i`), computed without a branch per entry. Which entry holds a key, or is free,
+/// is random, so a loop that stopped at it mispredicted its exit about once a search; a walk
+/// over the mask's bits (usually one, or none) does not.
+#[allow(clippy::inline_always)]
+#[inline(always)]
+fn entry_hits(
+    entries: &[AtomicU64; ENTRIES],
+    order: Ordering,
+    hit: impl Fn(u64) -> bool,
+) -> ([u64; ENTRIES], u32) {
+    let values: [u64; ENTRIES] = std::array::from_fn(|i| entries[i].load(order));
+    let hits = values
+        .iter()
+        .enumerate()
+        .fold(0u32, |hits, (i, &v)| hits | u32::from(hit(v)) << i);
+    (values, hits)
+}
+
+/// The first of a bucket's entries for which `hit` holds: its place and value (see
+/// [`entry_hits`]).
+#[allow(clippy::inline_always)]
+#[inline(always)]
+fn first_entry(
+    entries: &[AtomicU64; ENTRIES],
+    order: Ordering,
+    hit: impl Fn(u64) -> bool,
+) -> Option<(usize, u64)> {
+    let (values, hits) = entry_hits(entries, order, hit);
+    let i = hits.trailing_zeros() as usize;
+    values.get(i).map(|&v| (i, v))
+}
+
+/// The entries of `hits` ([`entry_hits`]), first to last: `(place, value)`.
+fn each_hit(values: [u64; ENTRIES], mut hits: u32) -> impl Iterator<Item = (usize, u64)> {
+    std::iter::from_fn(move || {
+        let i = hits.trailing_zeros() as usize;
+        hits &= hits.wrapping_sub(1);
+        values.get(i).map(|&v| (i, v))
+    })
+}
+
 /// A key's bit in its bucket's chain summary ([`Bucket::chained`]): one of 32, chosen by the
 /// hash's top 5 bits (the bucket is chosen by its low bits).
 fn chain_bit(hash: u64) -> u32 {
@@ -420,11 +462,10 @@ impl ChunkTable {
         let b = self.bucket(hash);
         let bucket = &self.buckets[b];
         'restart: loop {
-            for entry in &bucket.entries {
-                let entry = entry.load(Ordering::Acquire);
-                if !entry_tag_matches(entry, hash) {
-                    continue;
-                }
+            let (values, hits) = entry_hits(&bucket.entries, Ordering::Acquire, |e| {
+                entry_tag_matches(e, hash)
+            });
+            for (_, entry) in each_hit(values, hits) {
                 let Some(c) = entry_slot(entry) else { continue };
                 let Some((m, w, _, _)) = self.read_slot(c, key, &want, hash) else {
                     backoff();
@@ -537,17 +578,16 @@ impl ChunkTable {
     /// `None`: no key of that hash is in the table.
     fn candidate(&self, hash: u64) -> Option<ChunkId> {
         let bucket = &self.buckets[self.bucket(hash)];
-        bucket
-            .entries
-            .iter()
-            .map(|e| e.load(Ordering::Relaxed))
-            .find(|&e| entry_tag_matches(e, hash))
-            .and_then(entry_slot)
-            .or_else(|| {
-                let head = bucket.head.load(Ordering::Relaxed).checked_sub(1)?;
-                let summary = bucket.chained.load(Ordering::Relaxed);
-                in_summary(summary, hash).then_some(head)
-            })
+        first_entry(&bucket.entries, Ordering::Relaxed, |e| {
+            entry_tag_matches(e, hash)
+        })
+        .and_then(|(_, e)| entry_slot(e))
+        .or_else(|| {
+            // Both tests at once (each alone is close to a coin toss per key).
+            let head = bucket.head.load(Ordering::Relaxed);
+            let summary = bucket.chained.load(Ordering::Relaxed);
+            ((head != 0) & in_summary(summary, hash)).then(|| head - 1)
+        })
     }
 
     /// Drop one pin per key (a key listed twice drops two), lock-free; see the module docs.
@@ -805,12 +845,12 @@ impl Slots {
     pub fn find(&self, key: &[u8], hash: u64) -> Option<ChunkId> {
         let t = &*self.table;
         let bucket = &t.buckets[t.bucket(hash)];
-        for e in &bucket.entries {
-            let e = e.load(Ordering::Relaxed);
-            if entry_tag_matches(e, hash) {
-                if let Some(c) = entry_slot(e).filter(|&c| self.holds(c, key, hash)) {
-                    return Some(c);
-                }
+        let (values, hits) = entry_hits(&bucket.entries, Ordering::Relaxed, |e| {
+            entry_tag_matches(e, hash)
+        });
+        for (_, e) in each_hit(values, hits) {
+            if let Some(c) = entry_slot(e).filter(|&c| self.holds(c, key, hash)) {
+                return Some(c);
             }
         }
         let mut link = bucket.head.load(Ordering::Relaxed);
@@ -960,10 +1000,8 @@ impl Slots {
             w.store(x, Ordering::Relaxed);
         }
         let bucket = &t.buckets[t.bucket(hash)];
-        let free = bucket
-            .entries
-            .iter()
-            .find(|e| e.load(Ordering::Relaxed) == 0);
+        let free = first_entry(&bucket.entries, Ordering::Relaxed, |e| e == 0)
+            .map(|(i, _)| &bucket.entries[i]);
         let head = &bucket.head;
         slot.next.store(
             if free.is_some() {
@@ -1015,10 +1053,11 @@ impl Slots {
         // rest of the chain.
         let next = slot.next.load(Ordering::Relaxed);
         let bucket = &t.buckets[t.bucket(slot.hash.load(Ordering::Relaxed))];
-        let inline = bucket
-            .entries
-            .iter()
-            .find(|e| entry_slot(e.load(Ordering::Relaxed)) == Some(c));
+        // (An entry's low half is its slot plus one.)
+        let inline = first_entry(&bucket.entries, Ordering::Relaxed, |e| {
+            e as u32 == c.wrapping_add(1)
+        })
+        .map(|(i, _)| &bucket.entries[i]);
         let mut link = &bucket.head;
         if let Some(e) = inline {
             e.store(0, Ordering::Release);
