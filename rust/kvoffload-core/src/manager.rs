@@ -1705,8 +1705,14 @@ fn first_repeat(hashes: &[u64], same: impl Fn(usize, usize) -> bool) -> Option<u
     if n < 2 {
         return None;
     }
-    let mask = (2 * n).next_power_of_two() - 1;
-    let mut table: SmallVec<[u32; 128]> = smallvec::smallvec![EMPTY; mask + 1];
+    // At most half full; a batch of up to 32 items at most an eighth, so that an item's first
+    // place is almost always free (at half full, whether it was free was close to a coin toss,
+    // a mispredicted branch every other item).
+    let size = (2 * n)
+        .next_power_of_two()
+        .max((8 * n).next_power_of_two().min(256));
+    let mask = size - 1;
+    let mut table: SmallVec<[u32; 256]> = smallvec::smallvec![EMPTY; size];
     for (i, &h) in hashes.iter().enumerate() {
         let mut j = (h as usize) & mask;
         loop {
