@@ -226,12 +226,19 @@ fn first_entry(
     values.get(i).map(|&v| (i, v))
 }
 
-/// The entries of `hits` ([`entry_hits`]), first to last: `(place, value)`.
-fn each_hit(values: [u64; ENTRIES], mut hits: u32) -> impl Iterator<Item = (usize, u64)> {
+/// The entries of a bucket whose tags match `hash`, first to last (see [`entry_hits`]).
+#[allow(clippy::inline_always)]
+#[inline(always)]
+fn tag_matches(
+    entries: &[AtomicU64; ENTRIES],
+    order: Ordering,
+    hash: u64,
+) -> impl Iterator<Item = u64> {
+    let (values, mut hits) = entry_hits(entries, order, |e| entry_tag_matches(e, hash));
     std::iter::from_fn(move || {
         let i = hits.trailing_zeros() as usize;
         hits &= hits.wrapping_sub(1);
-        values.get(i).map(|&v| (i, v))
+        values.get(i).copied()
     })
 }
 
@@ -462,10 +469,7 @@ impl ChunkTable {
         let b = self.bucket(hash);
         let bucket = &self.buckets[b];
         'restart: loop {
-            let (values, hits) = entry_hits(&bucket.entries, Ordering::Acquire, |e| {
-                entry_tag_matches(e, hash)
-            });
-            for (_, entry) in each_hit(values, hits) {
+            for entry in tag_matches(&bucket.entries, Ordering::Acquire, hash) {
                 let Some(c) = entry_slot(entry) else { continue };
                 let Some((m, w, _, _)) = self.read_slot(c, key, &want, hash) else {
                     backoff();
@@ -845,10 +849,7 @@ impl Slots {
     pub fn find(&self, key: &[u8], hash: u64) -> Option<ChunkId> {
         let t = &*self.table;
         let bucket = &t.buckets[t.bucket(hash)];
-        let (values, hits) = entry_hits(&bucket.entries, Ordering::Relaxed, |e| {
-            entry_tag_matches(e, hash)
-        });
-        for (_, e) in each_hit(values, hits) {
+        for e in tag_matches(&bucket.entries, Ordering::Relaxed, hash) {
             if let Some(c) = entry_slot(e).filter(|&c| self.holds(c, key, hash)) {
                 return Some(c);
             }
