@@ -782,7 +782,6 @@ impl Manager {
                 }
             }
         }
-        let resident = found;
         // Distinct keys: checked above. Which of them the request reported before is read
         // only for a policy that takes store misses; for any other, the keys are resolved as
         // they are recorded (one probe each), not looked up first.
@@ -803,7 +802,7 @@ impl Manager {
         };
         // 5: record the access (the flags are set once nothing can fail any more).
         let mark = req.seen.len();
-        if !self.record_new(req, &mut call, recorded.iter().copied(), |i| resident[i]) {
+        if !self.record_new(req, &mut call, recorded.iter().copied(), |i| found[i]) {
             req.truncate(mark);
             return Err(policy_error("on_request_access"));
         }
@@ -811,7 +810,7 @@ impl Manager {
         let placed = if candidates.is_empty() {
             None
         } else {
-            match self.make_room_and_place(&call, &candidates, &resident, req) {
+            match self.make_room_and_place(&call, &candidates, &found, req) {
                 Ok(placed) => placed,
                 Err(e) => {
                     req.truncate(mark);

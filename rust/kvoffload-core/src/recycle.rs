@@ -165,9 +165,7 @@ impl<T> Recycled<T> {
     pub fn with_capacity(n: usize) -> Self {
         Self(take(n))
     }
-}
 
-impl<T> Recycled<T> {
     /// The vector itself, no longer handed back when dropped (a caller that returns it hands
     /// it back, or lets it go, as with any vector from [`take`]).
     #[inline]

@@ -218,7 +218,7 @@ impl RequestState {
     /// Whether `n` more keys fit without growing (what [`reserve`](Self::reserve) makes sure).
     pub(crate) fn has_room(&self, n: usize) -> bool {
         let want = self.seen.len() + n;
-        self.seen.capacity() >= want && want * 2 <= self.table.entries.len()
+        self.seen.capacity() >= want && self.table.fits(want)
     }
 
     /// Forget the keys added after the first `len` (undoing a call that failed).
@@ -350,10 +350,15 @@ impl SeenIndex {
         }
     }
 
+    /// Whether `want` keys in all leave the index at most half full.
+    fn fits(&self, want: usize) -> bool {
+        want * 2 <= self.entries.len()
+    }
+
     /// Make room for `want` keys in all, growing to fit `grow_to` when it must grow; the keys
     /// already indexed are `seen`, re-added in order from their kept hashes.
     fn reserve(&mut self, want: usize, grow_to: usize, seen: &[SeenKey]) {
-        if want * 2 <= self.entries.len() {
+        if self.fits(want) {
             return;
         }
         let size = (grow_to.max(want) * 2).next_power_of_two();
