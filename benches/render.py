@@ -780,49 +780,94 @@ def _scaling(
         axes[-1].legend(fontsize=7)
         out += [_save(fig, docs, "perf-batch.png"), ""]
     if "memory" in sc:
-        data = sc["memory"]["bytes_per_chunk"]
+        out += _memory(sc["memory"], docs, targets)
+    return out
+
+
+TURNOVER = "rss_bytes_per_chunk_turnover"
+
+
+def _memory(memory: dict[str, Any], docs: Path | None, targets: list[list[str]]) -> list[str]:
+    """The memory section: bytes per chunk after a fill and, where measured, after a turnover
+    (the state a running cache keeps: ARC's ghost lists full); the target takes the larger."""
+    data = memory["bytes_per_chunk"]
+    turnover = all(TURNOVER in per[i] for per in data.values() for i in _impls(per))
+    out = [
+        f"## Memory per resident chunk ({memory['chunks']:,} chunks)",
+        "",
+        "Bytes per resident chunk, each figure from a fresh process that made its keys first "
+        "(so the key objects are not counted) and then filled the manager: the RSS growth "
+        "over the fill, with the C heap's free pages handed back to the system before and "
+        "after it (glibc's `malloc_trim`, so that neither the garbage of making the keys nor "
+        "the fill's per-request state, freed with its contexts, counts), and what "
+        "`tracemalloc` traced in a second process (Python allocations only: near zero for "
+        "kvoffload, whose state is in Rust).",
+        "",
+    ]
+    if turnover:
         out += [
-            f"## Memory per resident chunk ({sc['memory']['chunks']:,} chunks)",
-            "",
-            "Bytes per resident chunk, each figure from a fresh process that made its keys first "
-            "(so the key objects are not counted) and then filled the manager: the RSS growth "
-            "over the fill, with the C heap's free pages handed back to the system before and "
-            "after it (glibc's `malloc_trim`, so that neither the garbage of making the keys nor "
-            "the fill's per-request state, freed with its contexts, counts), and what "
-            "`tracemalloc` traced in a second process (Python allocations only: near zero for "
-            "kvoffload, whose state is in Rust).",
+            "**After a turnover**: the RSS growth, in a third process, once the filled pool has "
+            "stored as many fresh keys again (every store evicting; the key objects, all made "
+            "first, again not counted). That is the state a running cache keeps: ARC remembers "
+            "the keys it evicted (its ghost lists), which a fill alone never makes. Fresh keys "
+            "fill one of the two lists (B1, keys evicted after one access) to the pool's size; "
+            "the other (B2, evicted after a second access) may hold as many again, so a "
+            "workload of re-accessed keys can keep up to twice the ghosts measured here. The "
+            "target is judged on the larger figure.",
             "",
         ]
-        rows = []
-        for policy, per_impl in data.items():
-            for impl in _impls(per_impl):
-                row = per_impl[impl]
-                rows.append(
+    header = ["policy", "impl", "RSS bytes/chunk", "tracemalloc bytes/chunk"]
+    if turnover:
+        header.append("RSS bytes/chunk after a turnover")
+    rows = []
+    for policy, per_impl in data.items():
+        for impl in _impls(per_impl):
+            row = per_impl[impl]
+            cells = [
+                policy,
+                IMPL_NAMES[impl],
+                f"{row['rss_bytes_per_chunk']:,.0f}",
+                f"{row['tracemalloc_bytes_per_chunk']:,.0f}",
+            ]
+            if turnover:
+                cells.append(f"{row[TURNOVER]:,.0f}")
+            rows.append(cells)
+            if impl == "rust":
+                filled = row["rss_bytes_per_chunk"]
+                value = max(filled, row[TURNOVER]) if turnover else filled
+                shown = f"{filled:,.0f} bytes (RSS)"
+                if turnover:
+                    shown += f", {row[TURNOVER]:,.0f} after a turnover"
+                targets.append(
                     [
-                        policy,
-                        IMPL_NAMES[impl],
-                        f"{row['rss_bytes_per_chunk']:,.0f}",
-                        f"{row['tracemalloc_bytes_per_chunk']:,.0f}",
+                        f"{policy}: manager state <= {BYTES_TARGET:.0f} bytes per chunk",
+                        shown,
+                        _met(value <= BYTES_TARGET),
                     ]
                 )
-                if impl == "rust":
-                    value = row["rss_bytes_per_chunk"]
-                    targets.append(
-                        [
-                            f"{policy}: manager state <= {BYTES_TARGET:.0f} bytes per chunk",
-                            f"{value:,.0f} bytes (RSS)",
-                            _met(value <= BYTES_TARGET),
-                        ]
-                    )
-        out += _table(["policy", "impl", "RSS bytes/chunk", "tracemalloc bytes/chunk"], rows)
-        fig, ax = plt.subplots(figsize=(7, 4))
-        labels = [f"{IMPL_NAMES[i]}\n{p}" for p, per in data.items() for i in _impls(per)]
-        values = [per[i]["rss_bytes_per_chunk"] for per in data.values() for i in _impls(per)]
-        ax.bar(range(len(values)), values)
-        ax.axhline(BYTES_TARGET, color="red", linestyle=":", label="target: 64 bytes")
-        ax.set_xticks(range(len(values)))
-        ax.set_xticklabels(labels, fontsize=8)
-        ax.set_ylabel("RSS bytes per resident chunk")
-        ax.legend()
-        out += [_save(fig, docs, "perf-memory.png"), ""]
+    out += _table(header, rows)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = [(p, i, per[i]) for p, per in data.items() for i in _impls(per)]
+    width = 0.4 if turnover else 0.8
+    xs = range(len(bars))
+    ax.bar(
+        [x - width / 2 if turnover else x for x in xs],
+        [row["rss_bytes_per_chunk"] for _, _, row in bars],
+        width,
+        label="after a fill",
+    )
+    if turnover:
+        ax.bar(
+            [x + width / 2 for x in xs],
+            [row[TURNOVER] for _, _, row in bars],
+            width,
+            label="after a turnover",
+        )
+    ax.axhline(BYTES_TARGET, color="red", linestyle=":", label="target: 64 bytes")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([f"{IMPL_NAMES[i]}\n{p}" for p, i, _ in bars], fontsize=8)
+    ax.set_ylabel("RSS bytes per resident chunk")
+    ax.legend()
+    out += [_save(fig, docs, "perf-memory.png"), ""]
     return out

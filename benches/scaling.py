@@ -13,9 +13,11 @@ GC paused) and written as one JSON document:
   filling ``--memory-chunks`` chunks (keys made beforehand, so the key objects are not counted),
   with the C heap's free pages handed back to the system at both ends (glibc's ``malloc_trim``,
   where there is one), so that neither the garbage of making the keys nor that of the fill's
-  request states counts; and, in a second subprocess, what ``tracemalloc`` sees of the same
-  fill (Python allocations only: for kvoffload that is the Python objects it makes, not its
-  Rust state).
+  request states counts; in a second subprocess, what ``tracemalloc`` sees of the same fill
+  (Python allocations only: for kvoffload that is the Python objects it makes, not its Rust
+  state); and, in a third, the RSS delta once the filled pool has also stored as many fresh keys
+  again (each store evicting), which is the state a running cache keeps: ARC's ghost lists
+  (the evicted keys it remembers) are full only then.
 
     python benches/scaling.py --json scaling.json                 # everything, quick sizes
     python benches/scaling.py --only sizes --sizes 1000,10000000 --python-max 100000
@@ -181,21 +183,33 @@ def _release_free_heap() -> None:
     trim(0)
 
 
+#: What each process of the memory part measures: the RSS and the Python allocations of a fill,
+#: and the RSS after a turnover (the fill, then as many fresh keys stored again).
+MEMORY_MODES = ("rss", "tracemalloc", "turnover")
+
+
 def memory_child(impl: str, policy: str, chunks: int, mode: str) -> dict[str, float]:
-    """Fill a fresh manager with ``chunks`` ready chunks; bytes per chunk it holds (one process)."""
+    """Fill a fresh manager with ``chunks`` ready chunks (``turnover``: then store ``chunks``
+    fresh keys more, evicting as many); bytes per chunk it holds (one process)."""
     import tracemalloc
 
+    if mode not in MEMORY_MODES:
+        raise ValueError(f"unknown memory mode {mode!r}")
     cls, ctx_cls = manager_and_context(impl)
-    keys = make_keys(chunks, seed=3)
-    contexts = [ctx_cls(f"fill-{lo}") for lo in range(0, chunks, FILL_BATCH)]
+    stored = 2 * chunks if mode == "turnover" else chunks
+    # A batch fits in the pool's evictable chunks, so that every store of the turnover lands.
+    step = max(1, min(FILL_BATCH, chunks))
+    keys = make_keys(stored, seed=3)
+    contexts = [ctx_cls(f"fill-{lo}") for lo in range(0, stored, step)]
     _release_free_heap()
     if mode == "tracemalloc":
         tracemalloc.start()
     before = _rss_bytes()
     manager = cls(chunks, cache_policy=policy)
-    for ctx, lo in zip(contexts, range(0, chunks, FILL_BATCH), strict=True):
-        batch = keys[lo : lo + FILL_BATCH]
-        manager.prepare_store(batch, ctx)
+    for ctx, lo in zip(contexts, range(0, stored, step), strict=True):
+        batch = keys[lo : lo + step]
+        if manager.prepare_store(batch, ctx) is None:
+            raise RuntimeError(f"{impl}/{policy}: a store of {len(batch)} keys found no room")
         manager.complete_store(batch, ctx)
     del contexts  # per-request state hangs off the contexts, not the manager
     _release_free_heap()
@@ -203,16 +217,18 @@ def memory_child(impl: str, policy: str, chunks: int, mode: str) -> dict[str, fl
         current, _ = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         return {"tracemalloc_bytes_per_chunk": current / chunks}
-    return {"rss_bytes_per_chunk": (_rss_bytes() - before) / chunks}
+    name = "rss_bytes_per_chunk_turnover" if mode == "turnover" else "rss_bytes_per_chunk"
+    return {name: (_rss_bytes() - before) / chunks}
 
 
 def measure_memory(args: argparse.Namespace) -> dict[str, Any]:
-    """``{policy: {impl: {rss_bytes_per_chunk, tracemalloc_bytes_per_chunk}}}``."""
+    """``{policy: {impl: {rss_bytes_per_chunk, tracemalloc_bytes_per_chunk,
+    rss_bytes_per_chunk_turnover}}}``."""
     out: dict[str, Any] = {}
     for policy in args.policies:
         for impl in _impls(args.impls, policy):
             row: dict[str, float] = {}
-            for mode in ("rss", "tracemalloc"):
+            for mode in MEMORY_MODES:
                 cmd = [
                     sys.executable,
                     __file__,
