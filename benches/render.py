@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from cases import LABELS, OPERATIONS
+from scaling import TURNOVER
 
 IMPL_NAMES = {"rust": "kvoffload", "reference": "reference", "vllm": "vLLM 0.33.0"}
 IMPL_ORDER = ("rust", "reference", "vllm")
@@ -782,9 +783,6 @@ def _scaling(
     if "memory" in sc:
         out += _memory(sc["memory"], docs, targets)
     return out
-
-
-TURNOVER = "rss_bytes_per_chunk_turnover"
 
 
 def _memory(memory: dict[str, Any], docs: Path | None, targets: list[list[str]]) -> list[str]:

@@ -186,6 +186,8 @@ def _release_free_heap() -> None:
 #: What each process of the memory part measures: the RSS and the Python allocations of a fill,
 #: and the RSS after a turnover (the fill, then as many fresh keys stored again).
 MEMORY_MODES = ("rss", "tracemalloc", "turnover")
+#: The JSON name of the turnover figure (the page's renderer reads it by this name).
+TURNOVER = "rss_bytes_per_chunk_turnover"
 
 
 def memory_child(impl: str, policy: str, chunks: int, mode: str) -> dict[str, float]:
@@ -217,7 +219,7 @@ def memory_child(impl: str, policy: str, chunks: int, mode: str) -> dict[str, fl
         current, _ = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         return {"tracemalloc_bytes_per_chunk": current / chunks}
-    name = "rss_bytes_per_chunk_turnover" if mode == "turnover" else "rss_bytes_per_chunk"
+    name = TURNOVER if mode == "turnover" else "rss_bytes_per_chunk"
     return {name: (_rss_bytes() - before) / chunks}
 
 
