@@ -8,9 +8,9 @@ other calls), ``kvoffload bench``
 core crate's ``memory_floor`` example (what a lookup's memory accesses alone cost against pool
 size) and, where ``valgrind`` is, ``callgrind_ffi.py`` (instructions per key of the FFI cases,
 kvoffload and vLLM); then, for the targets against vLLM, two
-more runs of the target cases and of the replay, and for the pool-size targets two more runs of
-kvoffload's sizes, each in a fresh process (the page's verdicts take the median of the three);
-then writes the markdown and the PNGs.
+more runs of the target cases and of the replay, and for the pool-size and pinned targets two
+more runs of kvoffload's sizes and pins, each in a fresh process (the page's verdicts take the
+median of the three); then writes the markdown and the PNGs.
 
     python benches/make_report.py --quick     # a few minutes: smaller pools and fewer repeats
     python benches/make_report.py --full      # the published figures: 10^7 chunks and more repeats
@@ -121,9 +121,10 @@ def measure(mode: str, out: Path) -> None:
         ]
         jobs[f"step-{k}"] = [py, "vllm_step.py", "--json", str(out / f"step-{k}.json")]
         jobs[f"step-{k}"] += opts["step"]
-        # The pool-size targets are kvoffload's own ratios (10^7 over 10^3): its sizes alone.
+        # The pool-size and pinned targets are kvoffload's own ratios (10^7 over 10^3, 99%
+        # pinned over none): its sizes and pins alone.
         jobs[f"sizes-{k}"] = [
-            *(py, "scaling.py", "--only", "sizes", "--impls", "rust"),
+            *(py, "scaling.py", "--only", "sizes,pinned", "--impls", "rust"),
             *("--json", str(out / f"sizes-{k}.json"), *opts["sizes"]),
         ]
     for name in ("report", "scaling", "step", "bench", "drop", "calls"):

@@ -613,6 +613,16 @@ def _size_ratio(sc: dict[str, Any], policy: str, op: str, small: str, large: str
         return None
 
 
+def _pinned_ratio(sc: dict[str, Any], policy: str, none: str, most: str) -> float | None:
+    """kvoffload's store with eviction with ``most`` of the pool pinned over ``none`` in a
+    scaling run, if it timed both."""
+    per_frac = sc.get("pinned", {}).get("store_evict_ns_per_key", {}).get(policy, {})
+    try:
+        return float(per_frac[most]["rust"] / per_frac[none]["rust"])
+    except KeyError:
+        return None
+
+
 def _scaling(
     sc: dict[str, Any],
     docs: Path,
@@ -703,7 +713,14 @@ def _scaling(
             "",
             "Store with eviction (32 keys), ns per key, with a fraction of the pool pinned "
             "(`prepare_load` without `complete_load`, chunks picked at random): eviction has to "
-            "pass them by.",
+            "pass them by. "
+            + (
+                "Every pool of a policy is filled and pinned first, then all are timed in "
+                f"{sc['pinned']['rounds']} rounds, fractions in an order that rotates each round; "
+                "each figure is the minimum over the rounds."
+                if "rounds" in sc["pinned"]
+                else ""
+            ),
             "",
         ]
         for policy, per_frac in data.items():
@@ -714,12 +731,14 @@ def _scaling(
                 ratio = per_frac[fracs[-1]][impl] / per_frac[fracs[0]][impl]
                 rows.append([IMPL_NAMES[impl], *(_ns(per_frac[f][impl]) for f in fracs), _x(ratio)])
                 if impl == "rust":
+                    others = (_pinned_ratio(m, policy, fracs[0], fracs[-1]) for m in more or [])
+                    median, shown = _median_of_runs([ratio, *filter(None, others)])
                     targets.append(
                         [
                             f"{policy}: eviction with {float(fracs[-1]):.0%} pinned within "
                             f"{FLAT_TARGET}x of {float(fracs[0]):.0%}",
-                            _x(ratio),
-                            _met(ratio <= FLAT_TARGET),
+                            shown,
+                            _met(median <= FLAT_TARGET),
                         ]
                     )
             header = ["impl", *(f"{float(f):.0%} pinned" for f in fracs), "last / first"]

@@ -170,6 +170,35 @@ def test_a_single_size_run_is_judged_alone(render: ModuleType, tmp_path: Path) -
     assert store[1:] == ["1.80x", "**not met**"]
 
 
+def _pinned(most: float, rounds: int | None = 3) -> dict[str, Any]:
+    per = {"0.0": {"rust": 100.0, "reference": 1000.0}, "0.99": {"rust": most, "reference": 9e4}}
+    pinned: dict[str, Any] = {"chunks": 100_000, "store_evict_ns_per_key": {"arc": per}}
+    if rounds is not None:
+        pinned["rounds"] = rounds
+    return {"pinned": pinned}
+
+
+def test_the_pinned_target_takes_the_median_of_the_runs(render: ModuleType, tmp_path: Path) -> None:
+    targets: list[list[str]] = []
+    more = [_pinned(90.0), _pinned(110.0), {"sizes": {}}]
+    text = "\n".join(render._scaling(_pinned(160.0), tmp_path, targets, None, more))
+    pinned = next(t for t in targets if "pinned" in t[0])
+    # 1.6x in the first run, 0.9x and 1.1x in the others (a run without pins is skipped).
+    assert pinned == ["arc: eviction with 99% pinned within 1.5x of 0%", *pinned[1:]]
+    assert pinned[1:] == ["1.10x (runs: 1.60x, 0.90x, 1.10x)", "**met**"]
+    assert "timed in 3 rounds" in text
+    # The reference's ratio is a row of the table, never a target.
+    assert len([t for t in targets if "pinned" in t[0]]) == 1
+
+
+def test_a_single_pinned_run_is_judged_alone(render: ModuleType, tmp_path: Path) -> None:
+    targets: list[list[str]] = []
+    text = "\n".join(render._scaling(_pinned(160.0, rounds=None), tmp_path, targets, None))
+    pinned = next(t for t in targets if "pinned" in t[0])
+    assert pinned[1:] == ["1.60x", "**not met**"]
+    assert "rounds" not in text
+
+
 def _drop(manager: str, ns: float, policy: str = "lru") -> dict[str, Any]:
     return {
         "policy": policy,
