@@ -32,6 +32,24 @@ def test_sketch_saturates_and_ages() -> None:
     assert s.estimate(h) == 7
 
 
+def test_a_due_halving_counts_in_the_next_admission() -> None:
+    s = FrequencySketch(threshold=3, width=16)
+    h = sketch_hash(b"a")
+    for _ in range(4):
+        s.increment(h)
+    assert s.would_admit_next(h, False)  # 4 >= 3, no halving due
+    g = sketch_hash(b"b")  # one other key, counted until a halving is due
+    while s.samples < s.sample_size:
+        s.increment(g)
+    estimate = s.estimate(h)
+    assert estimate >> 1 < 3 <= estimate  # a halving decides the answer
+    assert not s.would_admit_next(h, False)  # halved: 2 < 3
+    assert s.would_admit_next(h, True)  # halved, and this offer counts: 3
+    s.age_if_due()
+    assert s.estimate(h) == estimate >> 1
+    assert not s.would_admit_next(h, False)
+
+
 def test_an_offer_counts_once_per_request(make_manager: Callable[..., Any]) -> None:
     m = make_manager(8, store_threshold=2, admission="tinylfu")
     a = ReqContext(req_id="a")

@@ -20,7 +20,7 @@ def test_each_case_keeps_the_pool_full_and_as_its_view_says(impl: str, policy: s
 
     calls = Calls(impl, policy, 256)
     for call in CALLS:
-        assert calls.run(call, 3, 0) >= 0
+        assert calls.run(call, 3, 0) > 0, call  # a case that ran timed something
         # The failed stores' chunks were filled again, the reset pool restored: after every
         # case the pool is full of ready chunks, exactly the keys the case's view holds.
         held = calls.cache.manager.resident()

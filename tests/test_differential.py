@@ -7,6 +7,8 @@ only where ``tools/fetch_vllm.sh`` has unpacked the oracle. Longer runs: ``tools
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -163,8 +165,20 @@ def test_driver_finds_shrinks_and_reproduces_a_planted_bug() -> None:
     assert small is not None
     assert small.op.kind == "complete_store"
     assert len(small.history) <= 4  # new_request, prepare_store, complete_store(success=False)
-    namespace: dict[str, Any] = {}
-    exec(compile(small.repro(), "<repro>", "exec"), namespace)  # the repro runs as written
+    script = small.repro()
+    exec(compile(script, "<repro>", "exec"), {})  # the repro runs as written
+    # And it reproduces: replayed on the broken manager instead, it ends in another state.
+    importing = "from kvoffload.reference import CPUOffloadingManager\n"
+    assert importing in script
+    code = compile(script.replace(importing, ""), "<repro>", "exec")
+    ends = []
+    for spec in specs:
+        namespace: dict[str, Any] = {"CPUOffloadingManager": spec.manager_cls}
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(code, namespace)
+        assert spec.state is not None
+        ends.append(spec.state(namespace["m"]))
+    assert ends[0] != ends[1]
 
 
 def test_driver_sequences_are_deterministic() -> None:

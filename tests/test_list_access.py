@@ -65,7 +65,9 @@ def _store_round(keys: list[bytes]) -> list[object]:
             )
         )
         m.complete_store(tuple(out.keys_to_store))
-        resident = [k for k in batch if m.lookup(k, ctx)]
+        found = [m.lookup(k, ctx) for k in batch]
+        seen.append(found)
+        resident = [k for k, r in zip(batch, found, strict=True) if r is kvoffload.LookupResult.HIT]
         seen.append((m.lookup_prefix(list(batch), ctx), m.lookup_prefix(tuple(batch), ctx)))
         if resident:
             spec = m.prepare_load(tuple(resident), ctx)

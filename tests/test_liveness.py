@@ -365,8 +365,9 @@ class Pair:
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[str, Any]:
         """Call ``name`` on both (``ctx=True``: with the request); assert they agree."""
         results = []
+        with_ctx = kwargs.pop("ctx", False) or name.endswith("_store")
         for m, ctx in zip(self.managers, self.contexts, strict=True):
-            full = (*args, ctx) if kwargs.pop("ctx", False) or name.endswith("_store") else args
+            full = (*args, ctx) if with_ctx else args
             try:
                 results.append(("ok", canon(getattr(m, name)(*full, **kwargs))))
             except kvoffload.KVOffloadError as e:

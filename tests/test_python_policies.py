@@ -168,6 +168,16 @@ def _state(mgr: Any) -> dict[str, Any]:
     }
 
 
+def _built_in_state(mgr: Any) -> dict[str, Any]:
+    """``_state`` and the built-in policy's order."""
+    return {**_state(mgr), "order": mgr.policy_state()}
+
+
+def _twin_state(mgr: Any) -> dict[str, Any]:
+    """``_state`` and the order of the plug-in twin (in the built-in's format)."""
+    return {**_state(mgr), "order": mgr.policy.state()}
+
+
 def _plugin_impl(
     name: str, manager_cls: Any, context_cls: type, classes: dict[str, tuple[str, str]], state: Any
 ) -> _driver.ImplSpec:
@@ -238,8 +248,8 @@ def test_python_twin_in_rust_manager_matches_the_built_in(policy: str) -> None:
         return CPUOffloadingManager(**kwargs)
 
     specs = [
-        _driver.ImplSpec("rust", built_in, ReqContext, _state),  # type: ignore[arg-type]
-        _plugin_impl("rust+python", CPUOffloadingManager, ReqContext, TWINS, _state),
+        _driver.ImplSpec("rust", built_in, ReqContext, _built_in_state),  # type: ignore[arg-type]
+        _plugin_impl("rust+python", CPUOffloadingManager, ReqContext, TWINS, _twin_state),
     ]
     _run(specs, policy, 2, range(6))
     _run(specs, policy, 1, range(6))

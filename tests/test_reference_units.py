@@ -11,6 +11,7 @@ from kvoffload.errors import (
     DuplicateKeyError,
     InvalidArgumentError,
     InvalidKeyError,
+    InvariantViolation,
     KeyStateError,
     KVOffloadError,
     RequestFinishedError,
@@ -783,3 +784,43 @@ def test_legal_repeats_and_any_key_length() -> None:
     assert m.lookup(odd[2], ctx) is LookupResult.HIT
     assert m.lookup_prefix([odd[0], odd[1], key(7), odd[2]], ctx) == 2
     m.check_invariants()
+
+
+def _corruptible(policy: str) -> tuple[CPUOffloadingManager, list[bytes]]:
+    """Four ready keys in eight chunks, the second pinned by a load."""
+    m = CPUOffloadingManager(8, cache_policy=policy)
+    ctx = ReqContext(req_id="r")
+    keys = [bytes([i]) * 8 for i in range(4)]
+    m.prepare_store(keys, ctx)
+    m.complete_store(keys, ctx)
+    m.prepare_load(keys[1:2], ctx)
+    m.check_invariants()
+    return m, keys
+
+
+CORRUPTIONS: dict[str, tuple[Callable[[Any, list[bytes]], None], str]] = {
+    "a used chunk also free": (lambda m, ks: m._pool.free_ids.append(0), "also free"),
+    "a repeat on the free list": (
+        lambda m, ks: m._pool.free_ids.extend([7, 7]),
+        "repeats",
+    ),
+    "a ref count below -1": (lambda m, ks: setattr(m._policy.get(ks[0]), "ref_cnt", -2), "-2"),
+    "a ready chunk counted as pinned": (
+        lambda m, ks: setattr(m._policy.get(ks[0]), "ref_cnt", 1),
+        "evictable chunks",
+    ),
+    "two keys on one chunk": (
+        lambda m, ks: setattr(m._policy.get(ks[2]), "chunk_id", 3),
+        "held by both",
+    ),
+}
+
+
+@pytest.mark.parametrize("what", list(CORRUPTIONS))
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_check_invariants_finds_each_broken_invariant(policy: str, what: str) -> None:
+    m, keys = _corruptible(policy)
+    corrupt, says = CORRUPTIONS[what]
+    corrupt(m, keys)
+    with pytest.raises(InvariantViolation, match=says):
+        m.check_invariants()

@@ -65,7 +65,7 @@ junk = st.one_of(
     st.tuples(st.binary(max_size=6)),
     st.dictionaries(st.binary(max_size=3), st.integers(), max_size=2),
     st.just(object()),
-    st.just(iter([b"a", 1])),
+    st.builds(lambda: iter([b"a", 1])),
 )
 
 CALLS = [

@@ -96,6 +96,35 @@ def test_ids_restart_at_zero_after_reset(make_manager: MakeManager) -> None:
     m.check_invariants()
 
 
+def test_completions_of_jobs_from_before_a_reset(make_manager: MakeManager) -> None:
+    # The engine never delivers them (SPEC.md); if one comes anyway it is a completion like any
+    # other: of a key no longer pending or pinned it changes nothing (a load's raises), and of
+    # a key prepared again since the reset it completes the new job, which it cannot tell apart.
+    m = make_manager(4)
+    a = ReqContext(req_id="a")
+    m.prepare_store(ks(1, 2), a)
+    m.complete_store(ks(1), a)
+    m.prepare_load(ks(1), a)  # 1 pinned, 2 pending
+    m.reset_cache()
+    empty = (m.resident(), m.pool_state(), m.policy_state())
+    m.complete_store(ks(2), a)
+    m.complete_store(ks(2), a, success=False)
+    with pytest.raises(KeyStateError):
+        m.complete_load(ks(1), a)
+    assert (m.resident(), m.pool_state(), m.policy_state()) == empty
+    m.check_invariants()
+    b = ReqContext(req_id="b")
+    assert chunk_ids(m.prepare_store(ks(2), b)) == [0]
+    m.complete_store(ks(2), a, success=False)  # the old job's failure ends b's store
+    assert m.resident() == {}
+    assert m.pool_state() == (1, [0])
+    store(m, b, 1)
+    m.prepare_load(ks(1), b)
+    m.complete_load(ks(1), a)  # the old load's completion releases b's pin
+    assert list(m.resident().values()) == [(1, 0)]  # never-used ids first: chunk 1
+    m.check_invariants()
+
+
 def test_ids_are_int32_arrays(make_manager: MakeManager) -> None:
     m = make_manager(4)
     ctx = ReqContext(req_id="")

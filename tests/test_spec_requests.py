@@ -423,19 +423,36 @@ class JunkStateContext(DuckContext):
         return self.junk
 
 
+def _finish_after_stores(make_manager: MakeManager, req: Any) -> tuple[Any, Any]:
+    """ARC's state before and after ``req`` finishes, having stored keys 1 and 2 (and another
+    request key 3 after them)."""
+    m = make_manager(4, cache_policy="arc")
+    assert m.prepare_store(ks(1, 2), req).keys_to_store == ks(1, 2)
+    m.complete_store(ks(1, 2), req)
+    other = DuckContext({})
+    m.prepare_store(ks(3), other)
+    m.complete_store(ks(3), other)
+    before = m.policy_state()
+    m.on_request_finished(req)
+    m.check_invariants()
+    return before, m.policy_state()
+
+
 @pytest.mark.parametrize("junk", [5, "state", object()])
 def test_context_state_of_another_kind_is_no_state(make_manager: MakeManager, junk: Any) -> None:
     # What is not this manager's state counts as none: each call makes a fresh state, and the
     # finish finds none to report.
-    m = make_manager(4)
     req = JunkStateContext({})
     req.junk = junk
-    assert m.prepare_store(ks(1), req).keys_to_store == ks(1)
-    m.complete_store(ks(1), req)
-    m.prepare_load(ks(1), req)
-    m.complete_load(ks(1), req)
-    m.on_request_finished(req)
-    m.check_invariants()
+    before, after = _finish_after_stores(make_manager, req)
+    assert before["t1"] == ks(1, 2, 3)
+    assert after == before
+    # With its state kept, the finish reports the keys the request stored and never reused:
+    # ARC moves them to T1's newest end.
+    before, after = _finish_after_stores(make_manager, DuckContext({}))
+    assert before["t1"] == ks(1, 2, 3)
+    assert after["t1"] != before["t1"]
+    assert after["t1"][0] == k(3)
 
 
 class BytesKey(bytes):

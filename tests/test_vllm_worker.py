@@ -458,27 +458,33 @@ def test_a_read_only_cache_is_refused(oracle: Any, base: Any) -> None:
 
 def test_cancelled_copies_fail_their_job() -> None:
     # Without vLLM: kvoffload's own TransferResult and any objects with the specs' attributes.
-    pool = HostPool(80, 1 << 20, num_threads=1, register_cuda=False)
+    # Job 2 waits behind 64 MiB of copies on the only worker, so the cancel almost always finds
+    # its copy unstarted; a try that lost that race is repeated.
     device = np.random.default_rng(10).integers(0, 256, (72, 1 << 20), dtype=np.uint8)
     caches = types.SimpleNamespace(
         tensors=[types.SimpleNamespace(tensor=device, page_size_bytes=1 << 20)],
         group_data_refs=[[types.SimpleNamespace(tensor_idx=0, page_size_bytes=1 << 20)]],
     )
-    worker = HostPoolWorker(pool, caches, 1)
 
     def spec(ids: list[int]) -> Any:
         return types.SimpleNamespace(block_ids=ids, group_sizes=[len(ids)], block_indices=[0])
 
-    assert worker.submit_store(1, spec(list(range(64))), spec(list(range(64))))  # busy thread
-    assert worker.submit_store(2, spec([70]), spec([79]))
-    cancelled = pool.cancel(1)  # job 2's only copy is pool job 1 (job 1 took pool job 0)
-    worker.wait([1, 2])
-    got = {r.job_id: r for r in worker.get_finished()}
-    assert got[1] == TransferResult(1, True, 64 << 20, None)
-    assert got[2].success is not cancelled
-    if cancelled:  # the usual case: it had not started
-        assert not pool.chunk(79).any()
-    worker.shutdown()
+    for _ in range(5):
+        pool = HostPool(80, 1 << 20, num_threads=1, register_cuda=False)
+        worker = HostPoolWorker(pool, caches, 1)
+        assert worker.submit_store(1, spec(list(range(64))), spec(list(range(64))))  # busy
+        assert worker.submit_store(2, spec([70]), spec([79]))
+        cancelled = pool.cancel(1)  # job 2's only copy is pool job 1 (job 1 took pool job 0)
+        worker.wait([1, 2])
+        got = {r.job_id: r for r in worker.get_finished()}
+        stored = pool.chunk(79).copy()
+        worker.shutdown()
+        assert got[1] == TransferResult(1, True, 64 << 20, None)
+        assert got[2].success is not cancelled
+        if cancelled:
+            assert not stored.any()
+            return
+    pytest.fail("job 2's copy had always started before its cancel, in five tries")
 
 
 # --- many jobs at once ---

@@ -1896,6 +1896,66 @@ mod tests {
         .unwrap()
     }
 
+    /// A manager of 8 chunks under `policy` holding four ready keys (chunks 0-3), one of
+    /// them (chunk 1) pinned by a load.
+    fn corruptible(policy: PolicyKind) -> Manager {
+        let mut m = manager(8, policy);
+        let keys: Vec<[u8; 4]> = (0..4u32).map(u32::to_le_bytes).collect();
+        let refs: Vec<&[u8]> = keys.iter().map(<[u8; 4]>::as_slice).collect();
+        let mut req = m.new_request_state();
+        m.prepare_store(&refs, None, &mut req).unwrap().unwrap();
+        m.complete_store(&refs, true);
+        m.prepare_load(&refs[1..2], None, &mut req).unwrap();
+        m.validate().unwrap();
+        m
+    }
+
+    #[test]
+    fn validate_finds_each_broken_invariant() {
+        type Corrupt = fn(&mut Manager);
+        let cases: [(&str, Corrupt, Option<&str>); 5] = [
+            ("a resident chunk freed", |m| m.pool.free(0), None),
+            (
+                "a key dropped from its slot",
+                |m| {
+                    m.slots.remove(2);
+                },
+                None,
+            ),
+            (
+                "scratch marks left set",
+                |m| {
+                    let need = m.marks.len().max(1);
+                    m.marks.resize(need, 0);
+                    m.marks[0] = 1;
+                },
+                Some("scratch marks"),
+            ),
+            (
+                "a chunk dropped by the policy",
+                |m| m.policy.remove(3),
+                None,
+            ),
+            (
+                "a pinned chunk's policy entry made evictable",
+                |m| m.policy.mark_evictable(1),
+                None,
+            ),
+        ];
+        for (_, kind) in PolicyKind::ALL {
+            for (what, corrupt, says) in cases {
+                let mut m = corruptible(kind);
+                corrupt(&mut m);
+                let Err(e) = m.validate() else {
+                    panic!("{kind:?}: validate missed {what}");
+                };
+                if let Some(says) = says {
+                    assert!(e.to_string().contains(says), "{kind:?}, {what}: {e}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_load_naming_a_key_twice_pins_it_twice_and_records_it_once() {
         // Checked: it fails when `prepare_load` misses the repeat.

@@ -4,8 +4,9 @@
 //! `Flaky` wraps the built-in LRU and reports a failure from one armed method without letting
 //! the LRU act (the manager takes a failed method not to have changed the policy). Random calls
 //! run with a random method armed before many of them; after each call the manager validates
-//! (the LRU's own structures included), and a failed prepare call must have left the
-//! observable state as it was.
+//! (the LRU's own structures included), a prepare call must fail exactly when the armed method
+//! was reached (and failed) during it, and a failed prepare call must have left the observable
+//! state as it was.
 
 use kvoffload_core::policy::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
 use kvoffload_core::{
@@ -102,9 +103,25 @@ impl CachePolicy for Flaky {
     }
 }
 
-fn arm(m: &mut Manager, method: Option<Method>) {
+fn flaky(m: &mut Manager) -> &mut Flaky {
     let any = m.policy_mut().as_any_mut().expect("an external policy");
-    any.downcast_mut::<Flaky>().expect("Flaky").armed = method;
+    any.downcast_mut::<Flaky>().expect("Flaky")
+}
+
+fn arm(m: &mut Manager, method: Option<Method>) {
+    flaky(m).armed = method;
+}
+
+/// A prepare call's result `got` is a policy error exactly when the method armed before the call
+/// (if any) was reached during it and failed (a failure disarms it).
+fn fails_as_armed<T: std::fmt::Debug>(
+    m: &mut Manager,
+    armed: Option<usize>,
+    got: &Result<T>,
+) -> std::result::Result<(), TestCaseError> {
+    let fired = armed.is_some() && flaky(m).armed.is_none();
+    prop_assert_eq!(matches!(got, Err(CoreError::Policy(_))), fired, "{:?}", got);
+    Ok(())
 }
 
 type Snapshot = (
@@ -187,7 +204,9 @@ proptest! {
                     keys.sort();
                     keys.dedup();
                     let slices: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-                    match m.prepare_store(&slices, None, &mut reqs[r]) {
+                    let got = m.prepare_store(&slices, None, &mut reqs[r]);
+                    fails_as_armed(&mut m, armed, &got)?;
+                    match got {
                         Err(CoreError::Policy(msg)) => {
                             let after = snapshot(&m);
                             if msg.contains("insert") {
@@ -219,7 +238,9 @@ proptest! {
                         .filter(|k| m.resident().iter().any(|e| e.0.as_slice() == k.as_slice() && e.2 >= 0))
                         .collect();
                     let slices: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-                    match m.prepare_load(&slices, None, &mut reqs[r]) {
+                    let got = m.prepare_load(&slices, None, &mut reqs[r]);
+                    fails_as_armed(&mut m, armed, &got)?;
+                    match got {
                         Ok(_) => pins.extend(keys.iter().cloned()),
                         Err(CoreError::Policy(_)) => prop_assert_eq!(snapshot(&m), before),
                         Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
