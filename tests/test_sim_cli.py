@@ -116,3 +116,12 @@ def test_sim_csv_trace_columns(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert doc["working_set"] == 30
     big = [r for r in doc["results"] if r["num_chunks"] == 40]
     assert all(r["miss_ratio"] == pytest.approx(30 / 500) for r in big)
+
+
+def test_sim_shadows_beside_the_reference_are_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["sim", "--impl", "reference", "--shadows", "arc", "--requests", "20"]
+    assert main([*argv, "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "shadows run beside kvoffload's Rust manager only" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written

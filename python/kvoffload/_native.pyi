@@ -87,7 +87,7 @@ class PolicyRequestRank:
 
 @final
 class PolicyCore:
-    """A kvoffload-core policy (LRU or ARC) run through vLLM's ``CachePolicy`` calls."""
+    """A kvoffload-core policy (any built-in one) run through vLLM's ``CachePolicy`` calls."""
 
     def __new__(cls, policy: str, capacity: int) -> PolicyCore: ...
     def get(self, key: bytes) -> Any | None: ...

@@ -289,7 +289,10 @@ class CPUOffloadingManager:
         self._core.check_invariants()
 
     def policy_state(self) -> dict[str, Any]:
-        """The policy's order: LRU ranks, or ARC's T1/T2/B1/B2 lists and target."""
+        """The policy's internal order, in keys of its own (``"policy"`` names the policy).
+
+        LRU's ranks, ARC's T1/T2/B1/B2 lists and target, FIFO's queue, and so on.
+        """
         return self._core.policy_state()
 
     def resident(self) -> dict[bytes, tuple[int, int]]:

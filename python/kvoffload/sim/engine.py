@@ -76,6 +76,16 @@ class SimConfig:
         rates = (self.transfer_bytes_per_s, self.prefill_tokens_per_s, self.decode_tokens_per_s)
         if min(rates) <= 0:
             raise InvalidArgumentError("transfer, prefill and decode rates must be > 0")
+        if self.shadow_policies:
+            from kvoffload.bench import load_implementation
+            from kvoffload.manager import CPUOffloadingManager
+
+            cls = load_implementation(self.impl)
+            if not (isinstance(cls, type) and issubclass(cls, CPUOffloadingManager)):
+                raise InvalidArgumentError(
+                    "what-if shadows run beside kvoffload's Rust manager only (impl 'rust'), "
+                    f"not {self.impl!r}"
+                )
 
 
 def make_manager(cfg: SimConfig) -> Any:

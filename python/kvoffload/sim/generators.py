@@ -36,7 +36,8 @@ class GeneratorConfig:
     kv_groups: int = 1
     #: Mean arrival rate of new requests (chat: new conversations; agent: new sessions), per s.
     rate: float = 4.0
-    #: Zipf exponent of popularity (system prompts, documents, prefixes).
+    #: Zipf exponent of popularity (rag's documents, agent's tool prompts, zipf's prefixes,
+    #: zipf-objects' objects); chat keeps the ``kvoffload bench`` workload's exponent of 1.
     alpha: float = 1.0
 
 

@@ -34,7 +34,8 @@ use std::sync::{Mutex, MutexGuard};
 /// Owner ids of policies, so a request's rank is only read back by the policy that issued it.
 static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
 
-/// A kvoffload-core policy (LRU or ARC) run through vLLM's `CachePolicy` calls.
+/// A kvoffload-core policy (any of the nine built-in ones) run through vLLM's `CachePolicy`
+/// calls.
 #[pyclass(frozen, module = "kvoffload._native")]
 pub(crate) struct PolicyCore {
     inner: Mutex<Inner>,
