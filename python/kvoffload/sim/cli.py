@@ -85,7 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=sim.prefill_tokens_per_s,
         help="tokens/s (%(default)s)",
     )
-    add("--decode-rate", type=float, default=sim.decode_tokens_per_s, help="tokens/s per request")
+    add(
+        "--decode-rate",
+        type=float,
+        default=sim.decode_tokens_per_s,
+        help="tokens/s per request (%(default)s)",
+    )
     add("--csv-columns", default="1,2,3", help="CSV time,obj_id,size columns, 1-based, 0=absent")
     add("--csv-header", action="store_true", help="the CSV trace has a header line")
     add("--libcachesim", action="store_true", help="classic mode: also run libCacheSim")
