@@ -12,7 +12,7 @@ more runs of the target cases and of the replay, and for the pool-size and pinne
 more runs of kvoffload's sizes and pins, each in a fresh process (the page's verdicts take the
 median of the three); then writes the markdown and the PNGs.
 
-    python benches/make_report.py --quick     # a few minutes: smaller pools and fewer repeats
+    python benches/make_report.py --quick     # about 10 minutes: smaller pools and fewer repeats
     python benches/make_report.py --full      # the published figures: 10^7 chunks and more repeats
     python benches/make_report.py --from DIR  # re-render from the JSON of an earlier run
 """
