@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,35 @@ def _impls(names: list[str], policy: str) -> list[str]:
     return [impl for impl in names if unavailable(impl, policy) is None]
 
 
+def _timed_in_rounds(
+    groups: list[Any],
+    caches: dict[tuple[Any, str], FilledCache],
+    ops: Sequence[str],
+    args: argparse.Namespace,
+    label: str,
+) -> dict[tuple[Any, str], dict[str, float]]:
+    """Each cache's minimum ns/key of each of ``ops`` over ``args.rounds`` rounds.
+
+    ``caches`` is keyed by (group, implementation); each round times every cache once, its
+    groups in an order that rotates each round, so a slow phase of the host cannot land on one
+    group alone. The result keeps the order of ``caches``.
+    """
+    best: dict[tuple[Any, str], dict[str, float]] = {key: {} for key in caches}
+    for r in range(args.rounds):
+        started = time.perf_counter()
+        for group in groups[r % len(groups) :] + groups[: r % len(groups)]:
+            for (at, impl), cache in caches.items():
+                if at != group:
+                    continue
+                row = best[at, impl]
+                for op in ops:
+                    ns = time_op(cache, op, repeat=args.repeat)
+                    row[op] = min(row.get(op, ns), ns)
+        took = time.perf_counter() - started
+        _log(f"{label} round {r + 1}/{args.rounds} {took:6.1f} s")
+    return best
+
+
 def measure_sizes(args: argparse.Namespace) -> dict[str, Any]:
     """``{policy: {size: {impl: {op: ns/key}}}}`` and which sizes each implementation skipped.
 
@@ -100,22 +130,7 @@ def measure_sizes(args: argparse.Namespace) -> dict[str, Any]:
                 took = time.perf_counter() - started
                 _log(f"sizes {policy} {size:>10,} {impl:<9} filled in {took:6.1f} s")
             del keys
-        # Filled in size order, so each size's pools are a run of `caches`; the rounds take the
-        # runs in rotated order, and `best` keeps the filling order for the output.
-        best: dict[tuple[int, str], dict[str, float]] = {key: {} for key in caches}
-        sizes = list(args.sizes)
-        for r in range(args.rounds):
-            started = time.perf_counter()
-            for size in sizes[r % len(sizes) :] + sizes[: r % len(sizes)]:
-                for (at, impl), cache in caches.items():
-                    if at != size:
-                        continue
-                    row = best[at, impl]
-                    for op in OPERATIONS:
-                        ns = time_op(cache, op, repeat=args.repeat)
-                        row[op] = min(row.get(op, ns), ns)
-            took = time.perf_counter() - started
-            _log(f"sizes {policy} round {r + 1}/{args.rounds} {took:6.1f} s")
+        best = _timed_in_rounds(list(args.sizes), caches, OPERATIONS, args, f"sizes {policy}")
         per_size: dict[str, Any] = {}
         for (size, impl), row in best.items():
             per_size.setdefault(str(size), {})[impl] = row
@@ -154,17 +169,9 @@ def measure_pinned(args: argparse.Namespace) -> dict[str, Any]:
                 pinned = cache.pin(fraction)
                 caches[fraction, impl] = cache
                 _log(f"pinned {policy} {fraction:.0%} ({pinned:,}) {impl:<9} filled")
-        best: dict[tuple[float, str], float] = {}
-        for r in range(args.rounds):
-            started = time.perf_counter()
-            for fraction in fractions[r % len(fractions) :] + fractions[: r % len(fractions)]:
-                for (at, impl), cache in caches.items():
-                    if at == fraction:
-                        ns = time_op(cache, "store_evict", repeat=args.repeat)
-                        best[at, impl] = min(best.get((at, impl), ns), ns)
-            took = time.perf_counter() - started
-            _log(f"pinned {policy} round {r + 1}/{args.rounds} {took:6.1f} s")
-        for (fraction, impl), ns in best.items():
+        best = _timed_in_rounds(fractions, caches, ("store_evict",), args, f"pinned {policy}")
+        for (fraction, impl), row in best.items():
+            ns = row["store_evict"]
             out.setdefault(policy, {}).setdefault(str(fraction), {})[impl] = ns
             _log(f"pinned {policy} {fraction:.0%} {impl:<9} {ns:10.1f} ns/key")
         caches.clear()

@@ -129,7 +129,7 @@ def miss_ratio_curve(
     a program read from stdin (spawned worker processes could not re-import it).
     """
     base = config or SimConfig()
-    base.validate()  # here, not first in each worker
+    base.validate()  # a bad configuration fails here, before any worker starts
     sizes = sorted(set(sizes))
     tasks = [dataclasses.replace(base, policy=p, num_chunks=s) for p in policies for s in sizes]
     if not tasks:
