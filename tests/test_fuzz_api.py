@@ -367,6 +367,14 @@ def test_interrupt_in_set_state_changes_nothing(call: str) -> None:
     assert snapshot(m) == before
 
 
-def test_fuzz_report() -> None:
-    """Print how many inputs the fuzz test ran and how long it took (for docs/reliability.md)."""
+def test_fuzz_reached_every_kind_of_input() -> None:
+    """The fuzz tests above reached each callback action and each common refusal: a change to
+    their strategies that stopped generating one would pass them silently. Also prints how many
+    inputs ran and how long they took (for docs/reliability.md)."""
     print(f"\nfuzz: {SECONDS[0]:.1f} s in the calls and checks; {dict(STATS)}")
+    if STATS["inputs"] < 1000:
+        pytest.skip(f"the fuzz tests ran {STATS['inputs']} inputs in this process (< 1,000)")
+    wanted = [f"callback {action}" for action in ("none", "read", "write", "raise", "interrupt")]
+    wanted += ["Injected", "KeyboardInterrupt", "constructor raised"]
+    wanted += ["InvalidKeyError", "KeyStateError", "InvalidArgumentError", "DuplicateKeyError"]
+    assert [name for name in wanted if STATS[name] == 0] == [], dict(STATS)

@@ -892,6 +892,18 @@ def test_fixed_difference(name: str) -> None:
     assert agree(got["rust"], got["reference"]), got
 
 
-def test_diff_fuzz_report() -> None:
-    """Print how many inputs ran, what they did and how long they took."""
+def test_diff_fuzz_reached_every_call() -> None:
+    """The differential fuzz made every call both succeed and (but `reset_cache`, which takes no
+    input) be refused: a strategy that stopped reaching one outcome would pass silently. Also
+    prints how many inputs ran, what they did and how long they took."""
     print(f"\ndiff fuzz: {SECONDS[0]:.1f} s; {sorted(STATS.items())}")
+    if STATS["inputs"] < 1000:
+        pytest.skip(f"the differential fuzz ran {STATS['inputs']} inputs here (< 1,000)")
+    outcomes: dict[str, set[str]] = {call: set() for call in CALLS}
+    for name in STATS:
+        call, _, outcome = name.partition(": ")
+        if call in outcomes:
+            outcomes[call].add(outcome)
+    unreached = [call for call, seen in outcomes.items() if "ok" not in seen]
+    unrefused = [c for c, seen in outcomes.items() if c != "reset_cache" and seen <= {"ok"}]
+    assert (unreached, unrefused) == ([], []), sorted(STATS.items())
