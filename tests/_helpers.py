@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -128,3 +130,24 @@ def fuzz_world(m: Any, threshold: int) -> dict[str, ReqContext]:
     m.on_request_finished(f)
     m.prepare_store(FUZZ_KEYS[6:7], base)
     return {"base": base, "r": r, "f": f}
+
+
+def fork(body: Callable[[], int]) -> int:
+    """Run ``body`` in a forked child, which reports through its exit status only (anything it
+    raises: 1); returns the child's pid, in the parent (see `exit_code`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork of a threaded process
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = body()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def exit_code(pid: int) -> int:
+    """Wait for child ``pid``; its exit code."""
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _helpers import exit_code, fork
 from kvoffload import HostPool, InvalidArgumentError, KVOffloadError, SharedRegionError
 
 SHM = Path("/dev/shm")
@@ -323,3 +324,38 @@ def test_a_foreign_file_is_refused(shm_name: str) -> None:
 def test_bad_names(name: str) -> None:
     with pytest.raises(InvalidArgumentError):
         HostPool(1, 4096, shared_name=name)
+
+
+@pytest.mark.parametrize("parent_keeps", ["pool", "view"])
+def test_a_forked_child_holds_the_region_as_its_own_user(shm_name: str, parent_keeps: str) -> None:
+    """A child forked from a user of a region shares its parent's open file, and so the parent's
+    lock: the parent's release used to find itself the last user and remove the name while the
+    child still mapped it (an attacher then made a new, empty region). The child now gets a hold
+    of its own at the fork, so the name lasts until the last of them lets go (the parent lets go
+    at once here, before the child could have taken a hold after the fork itself)."""
+    pool = HostPool(4, 4096, shared_name=shm_name, register_cuda=False)
+    pool.view()[0] = 1
+    kept = pool.view() if parent_keeps == "view" else None  # a view alone holds it too
+    if kept is not None:
+        pool.close()
+    to_child, from_parent = os.pipe()
+
+    def child() -> int:
+        signal.alarm(20)
+        os.close(from_parent)
+        os.read(to_child, 1)  # the parent has let go
+        if not path_of(shm_name).exists():
+            return 2
+        attacher = HostPool(4, 4096, shared_name=shm_name, shared_mode="attach")
+        shared = int(attacher.view()[0, 0]) == 1 and not attacher.stats().creator
+        attacher.close()
+        pool.close()
+        return 0 if shared else 3
+
+    pid = fork(child)
+    os.close(to_child)
+    pool.close()
+    del kept
+    os.write(from_parent, b"x")
+    os.close(from_parent)
+    assert exit_code(pid) == 0  # 2: the name went, 3: a new region

@@ -18,6 +18,7 @@ __all__ = [
     "__version__",
     "_list_access",
     "_raise_core_error",
+    "_shared_fork_hook",
     "register_context_type",
 ]
 
@@ -113,6 +114,7 @@ class PolicyCore:
 
 def _raise_core_error(variant: str) -> None: ...
 def _list_access(mode: str | None = None) -> str: ...
+def _shared_fork_hook(when: str) -> int: ...
 
 @final
 class HostMemoryOwner:

@@ -52,6 +52,15 @@ def _janitor_command() -> list[str] | None:
 
 _JANITOR = _janitor_command()
 
+# A forked child would share its parent's open file of each shared region, and so its lock:
+# the parent's close would then find itself the last user and remove the name while the child
+# still maps the region. Each fork gives the child a locked open file of its own.
+os.register_at_fork(
+    before=lambda: _native._shared_fork_hook("before"),
+    after_in_parent=lambda: _native._shared_fork_hook("parent"),
+    after_in_child=lambda: _native._shared_fork_hook("child"),
+)
+
 
 @dataclass(frozen=True)
 class HostPoolStats:

@@ -483,3 +483,21 @@ impl Drop for HostMemory {
         self.jobs.wait_all();
     }
 }
+
+/// Fork hooks of the shared regions (`kvoffload_core::host::before_fork`): in the parent
+/// before the fork (`"before"`), in the parent after it (`"parent"`), in the child (`"child"`,
+/// which returns how many regions the child then holds as its own).
+#[pyfunction]
+pub(crate) fn _shared_fork_hook(when: &str) -> PyResult<usize> {
+    match when {
+        "before" => kvoffload_core::host::before_fork(),
+        "parent" => kvoffload_core::host::after_fork_in_parent(),
+        "child" => return Ok(kvoffload_core::host::after_fork_in_child()),
+        _ => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "when must be 'before', 'parent' or 'child', not {when:?}"
+            )))
+        }
+    }
+    Ok(0)
+}

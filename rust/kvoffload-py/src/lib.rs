@@ -24,6 +24,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(keys::register_context_type, m)?)?;
     m.add_function(wrap_pyfunction!(errors::_raise_core_error, m)?)?;
     m.add_function(wrap_pyfunction!(lists::_list_access, m)?)?;
+    m.add_function(wrap_pyfunction!(host::_shared_fork_hook, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -5,7 +5,7 @@
 use crate::error::{CoreError, Result};
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, TryLockError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 /// A caller-chosen job id.
 pub type JobId = u64;
@@ -72,17 +72,11 @@ impl JobQueue {
         std::process::id() != self.pid
     }
 
-    /// The state, locked; in a forked child `None` when the lock is taken, which there means
-    /// taken for good (by a parent's thread at the moment of the fork, copied locked).
+    /// The state, locked; `None` in a forked child, whose queue is empty: the jobs and their
+    /// results are the parent's (its threads run them and it reports them), and the lock may have
+    /// been copied taken for good (by a parent's thread at the moment of the fork).
     fn state(&self) -> Option<MutexGuard<'_, Inner>> {
-        if !self.forked() {
-            return Some(self.shared.lock());
-        }
-        match self.shared.inner.try_lock() {
-            Ok(guard) => Some(guard),
-            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(TryLockError::WouldBlock) => None,
-        }
+        (!self.forked()).then(|| self.shared.lock())
     }
 
     /// Queue `work` as job `id` on `pool`. An id may be reused once its result was taken.
@@ -186,8 +180,7 @@ impl JobQueue {
         }
     }
 
-    /// Jobs submitted and not finished (0 in a forked child that cannot read the state; see
-    /// [`state`](Self::state)).
+    /// Jobs submitted and not finished (0 in a forked child; see [`state`](Self::state)).
     #[must_use]
     pub fn in_flight(&self) -> usize {
         self.state().map_or(0, |inner| inner.active.len())

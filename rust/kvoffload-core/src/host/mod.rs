@@ -10,6 +10,7 @@
 pub mod jobs;
 pub mod region;
 mod shm;
+pub use shm::{after_fork_in_child, after_fork_in_parent, before_fork};
 pub mod transfer;
 
 use crate::error::{CoreError, Result};

@@ -56,14 +56,8 @@ impl Ctx<'_> {
             )));
         }
         let map = map_shared(&fd, size)?;
-        let file = ShmFile {
-            fd,
-            path: self.cpath.clone(),
-            // SAFETY: getpid has no preconditions.
-            pid: unsafe { libc::getpid() },
-            dev: st.st_dev,
-            ino: st.st_ino,
-        };
+        // SAFETY: getpid has no preconditions.
+        let file = ShmFile::new(fd, self.cpath.clone(), unsafe { libc::getpid() }, &st);
         let mut region = Region::from_mapping(
             map,
             size,

@@ -22,9 +22,10 @@ use super::region::{last_os_error, Region, RegionInfo, RegionOptions, SharedMode
 use super::ChunkLayout;
 use crate::error::{CoreError, Result};
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, TryLockError, Weak};
 use std::time::{Duration, Instant};
 
 /// Where shared regions live.
@@ -50,31 +51,171 @@ struct Header {
 }
 
 /// The open file of a shared region; `release` runs when its `Region` is unmapped.
-pub(crate) struct ShmFile {
-    fd: OwnedFd,
+pub(crate) struct ShmFile(Arc<Hold>);
+
+/// A process's hold on a region: an open file of its own, and so a lock of its own (a `flock`
+/// belongs to the open file, which a forked child would share with its parent: see
+/// [`before_fork`]).
+struct Hold {
+    fd: AtomicI32,
+    /// Between [`before_fork`] and the end of the fork: a second open file of the region, locked
+    /// shared, for the child to keep as its own (-1: none).
+    spare: AtomicI32,
     path: CString,
-    /// The process that opened it; a forked child leaves the parent's lock and name alone.
-    pid: i32,
+    /// The process holding the lock; a forked child without a hold of its own leaves the
+    /// parent's lock and name alone.
+    pid: AtomicI32,
     dev: u64,
     ino: u64,
 }
 
+impl Drop for Hold {
+    fn drop(&mut self) {
+        for fd in [
+            self.fd.load(Ordering::Acquire),
+            self.spare.load(Ordering::Acquire),
+        ] {
+            if fd >= 0 {
+                // SAFETY: the descriptor is this hold's own, closed once.
+                unsafe { libc::close(fd) };
+            }
+        }
+    }
+}
+
+/// Every shared region's hold in this process, for the fork hooks.
+static HOLDS: Mutex<Vec<Weak<Hold>>> = Mutex::new(Vec::new());
+
 impl ShmFile {
+    fn new(fd: OwnedFd, path: CString, pid: i32, st: &libc::stat) -> Self {
+        let hold = Arc::new(Hold {
+            fd: AtomicI32::new(fd.into_raw_fd()),
+            spare: AtomicI32::new(-1),
+            path,
+            pid: AtomicI32::new(pid),
+            dev: st.st_dev,
+            ino: st.st_ino,
+        });
+        let mut holds = HOLDS.lock().unwrap_or_else(PoisonError::into_inner);
+        holds.retain(|h| h.strong_count() > 0);
+        holds.push(Arc::downgrade(&hold));
+        Self(hold)
+    }
+
     /// Drop this process's hold; unlink the name if no one else holds the region.
     pub(crate) fn release(self) {
+        let hold = &self.0;
         // SAFETY: getpid has no preconditions.
-        if unsafe { libc::getpid() } != self.pid {
+        if unsafe { libc::getpid() } != hold.pid.load(Ordering::Acquire) {
             return;
         }
-        let fd = self.fd.as_raw_fd();
+        let fd = hold.fd.load(Ordering::Acquire);
         // SAFETY: flock on our own open descriptor.
         unsafe {
             libc::flock(fd, libc::LOCK_UN);
             if libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) == 0 {
-                unlink_if_same(&self.path, self.dev, self.ino);
+                unlink_if_same(&hold.path, hold.dev, hold.ino);
             }
         }
     }
+}
+
+impl Hold {
+    /// Open the region again and lock it shared, as the spare a child will keep.
+    fn open_spare(&self) {
+        // SAFETY: `path` is NUL-terminated.
+        let raw = unsafe { libc::open(self.path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if raw < 0 {
+            return; // the name is gone: a child keeps its memory, unshared
+        }
+        // SAFETY: `raw` is a fresh descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let same = fstat(&fd)
+            .is_ok_and(|st| st.st_dev == self.dev && st.st_ino == self.ino && st.st_nlink > 0);
+        // SAFETY: flock on our own descriptor. It fails only while a last user is removing the
+        // name, which then names no region a child could share.
+        if same && unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0 {
+            let old = self.spare.swap(fd.into_raw_fd(), Ordering::AcqRel);
+            if old >= 0 {
+                // SAFETY: a spare left by an earlier fork that did not end; ours to close.
+                unsafe { libc::close(old) };
+            }
+        }
+    }
+
+    /// In the child: the spare becomes its hold; the parent's open file, inherited, is closed
+    /// (the parent's lock stays: the parent keeps that open file).
+    fn adopt_spare(&self, me: i32) {
+        let spare = self.spare.swap(-1, Ordering::AcqRel);
+        if spare < 0 || self.pid.load(Ordering::Acquire) == me {
+            return;
+        }
+        let inherited = self.fd.swap(spare, Ordering::AcqRel);
+        // SAFETY: the inherited descriptor was this hold's own; it is no longer stored.
+        unsafe { libc::close(inherited) };
+        self.pid.store(me, Ordering::Release);
+    }
+
+    /// In the parent: close the spare (the child's copy keeps its lock).
+    fn drop_spare(&self) {
+        let spare = self.spare.swap(-1, Ordering::AcqRel);
+        if spare >= 0 {
+            // SAFETY: the spare is this hold's own; it is no longer stored.
+            unsafe { libc::close(spare) };
+        }
+    }
+}
+
+/// The holds alive in this process (in a child, `None` if another thread held the list at the
+/// moment of the fork: it was copied locked for good).
+fn live_holds(child: bool) -> Option<Vec<Arc<Hold>>> {
+    let holds = if child {
+        match HOLDS.try_lock() {
+            Ok(guard) => guard,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        }
+    } else {
+        HOLDS.lock().unwrap_or_else(PoisonError::into_inner)
+    };
+    Some(holds.iter().filter_map(Weak::upgrade).collect())
+}
+
+/// Fork hook, in the parent just before a fork: a second open file of each shared region this
+/// process holds (views of one included), locked shared, for the child to keep as its own.
+///
+/// A `flock` belongs to an open file, and a forked child shares its parent's: without a hold of
+/// its own, the parent's release would find itself the last user and remove the name while the
+/// child still mapped the region (a later attacher would make a new, empty one). Taken before the
+/// fork, the child's hold exists from its first instant, whatever the parent does next.
+pub fn before_fork() {
+    for hold in live_holds(false).unwrap_or_default() {
+        hold.open_spare();
+    }
+}
+
+/// Fork hook, in the parent after the fork: close the spares (the child has its copies).
+pub fn after_fork_in_parent() {
+    for hold in live_holds(false).unwrap_or_default() {
+        hold.drop_spare();
+    }
+}
+
+/// Fork hook, in the child: each spare becomes this process's hold on its region, so that the
+/// name lasts while the child maps it and the child's release does what any user's does.
+/// Returns how many regions it holds so.
+#[must_use]
+pub fn after_fork_in_child() -> usize {
+    // SAFETY: getpid has no preconditions.
+    let me = unsafe { libc::getpid() };
+    let holds = live_holds(true).unwrap_or_default();
+    for hold in &holds {
+        hold.adopt_spare(me);
+    }
+    holds
+        .iter()
+        .filter(|h| h.pid.load(Ordering::Acquire) == me)
+        .count()
 }
 
 /// Unlink `path` if it still names inode (`dev`, `ino`).
@@ -298,13 +439,12 @@ impl Ctx<'_> {
             )));
         }
         let st = fstat(&fd)?;
-        let file = ShmFile {
+        let file = ShmFile::new(
             fd,
-            path: self.cpath.clone(),
-            pid: h.creator_pid.load(Ordering::Relaxed),
-            dev: st.st_dev,
-            ino: st.st_ino,
-        };
+            self.cpath.clone(),
+            h.creator_pid.load(Ordering::Relaxed),
+            &st,
+        );
         let mut region = Region::from_mapping(
             map,
             total,
