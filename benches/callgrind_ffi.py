@@ -44,9 +44,11 @@ REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 QUIET_ENV = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
 
-def run_case(impl: str, policy: str, op: str, size: int, rounds: int, warmup: int) -> None:
+def run_case(
+    impl: str, policy: str, op: str, size: int, rounds: int, warmup: int, positions: bool = False
+) -> None:
     """The counted process: fill, warm up, then ``rounds`` rounds of ``op`` in one reduce."""
-    cache = FilledCache(impl, policy, size)
+    cache = FilledCache(impl, policy, size, positions=positions)
     target = cache.targets[op]
     for keys, ctx in cache.prepare(op, warmup):
         target(keys, ctx)
@@ -60,7 +62,14 @@ def run_case(impl: str, policy: str, op: str, size: int, rounds: int, warmup: in
 
 
 def count(
-    impl: str, policy: str, op: str, size: int, rounds: int, warmup: int, valgrind: str
+    impl: str,
+    policy: str,
+    op: str,
+    size: int,
+    rounds: int,
+    warmup: int,
+    valgrind: str,
+    positions: bool = False,
 ) -> int:
     """Instructions of ``rounds`` rounds of ``op``, from a callgrind run of :func:`run_case`."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,6 +88,7 @@ def count(
             str(size),
             str(rounds),
             str(warmup),
+            *(["positions"] if positions else []),
         ]
         env = {**os.environ, **QUIET_ENV}
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -97,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         impl, policy, op, size, rounds, warmup = argv[1:7]
-        run_case(impl, policy, op, int(size), int(rounds), int(warmup))
+        run_case(impl, policy, op, int(size), int(rounds), int(warmup), argv[7:] == ["positions"])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--impls", type=_names, default=["rust"], help="comma-separated (rust)")
@@ -107,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=200, help="counted rounds (200)")
     parser.add_argument("--warmup", type=int, default=50, help="uncounted rounds first (50)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the counts")
+    parser.add_argument(
+        "--positions", action="store_true", help="token positions recorded (see cases.py)"
+    )
     args = parser.parse_args(argv)
     for what, names, known in (
         ("implementation", args.impls, IMPLS),
@@ -133,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                 for impl in args.impls:
                     if unavailable(impl, policy) is not None:
                         continue
-                    refs = count(impl, policy, op, size, args.rounds, args.warmup, valgrind)
+                    refs = count(
+                        impl, policy, op, size, args.rounds, args.warmup, valgrind, args.positions
+                    )
                     per_key = refs / (args.rounds * KEYS_PER_OP)
                     print(
                         f"callgrind_ffi: {impl} {policy} {op} {size:,}: {per_key:,.0f}",

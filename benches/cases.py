@@ -13,6 +13,11 @@ Operations (one round each):
 
 A request context serves ``ROUNDS_PER_REQUEST`` rounds, as a request offers a few batches over
 its life; absent keys are recycled first-in first-out, so a context never sees a key twice.
+By default no token positions are recorded, so LRU ranks every chunk by recency alone; with
+``positions=True`` (``report.py --positions``) each round records its keys' end-token positions
+on the context first, as vLLM's scheduler does, and LRU ranks the chunks a request stores or
+loads by request and position (its re-ranking on a load, a tree insertion for a chunk whose
+rank falls inside the order, and reading the positions cost kvoffload more than they cost vLLM).
 
 Implementations: ``rust`` (kvoffload), ``reference`` (kvoffload's pure Python) and ``vllm``
 (vLLM 0.33.0's own ``CPUOffloadingManager``, from ``tools/vllm_oracle.py``, with vLLM's own
@@ -43,6 +48,7 @@ VLLM_POLICIES = ("lru", "arc")  # vLLM 0.33.0's built-in policies
 IMPLS = (*IMPLEMENTATIONS, VLLM)  # ("reference", "rust", "vllm")
 OPERATIONS = ("store_evict", "load_complete", "lookup", "lookup_prefix", "touch")
 ROUNDS_PER_REQUEST = 8
+BLOCK_TOKENS = 16  # tokens a key stands for, for the token positions of ``positions=True``
 FILL_BATCH = 8192
 KEY_PIECE = 1 << 22
 SPARE_KEYS = 32_768  # absent keys kept for stores; enough for 1024 rounds prepared at once
@@ -110,8 +116,10 @@ class FilledCache:
         batch: int = KEYS_PER_OP,
         keys: list[bytes] | None = None,
         events: bool = False,
+        positions: bool = False,
     ) -> None:
         self.impl, self.policy, self.num_chunks, self.batch = impl, policy, num_chunks, batch
+        self.positions = positions
         cls, self.context_cls = manager_and_context(impl)
         self.manager: Any = cls(num_chunks, cache_policy=policy, enable_events=events)
         if keys is None:
@@ -237,10 +245,21 @@ class FilledCache:
             if len(self.absent) < rounds * self.batch:
                 raise ValueError(f"at most {len(self.absent) // self.batch} rounds at once")
             pop = self.absent.popleft
-            return [([pop() for _ in range(self.batch)], self._context()) for _ in range(rounds)]
+            return [self._args([pop() for _ in range(self.batch)]) for _ in range(rounds)]
         if op not in self.targets:
             raise ValueError(f"unknown operation {op!r}")
-        return [(self._resident_window(), self._context()) for _ in range(rounds)]
+        return [self._args(self._resident_window()) for _ in range(rounds)]
+
+    def _args(self, keys: list[bytes]) -> tuple[list[bytes], Any]:
+        """``keys`` and the context of the next round; with ``positions``, each key's end-token
+        position recorded on the context first, as vLLM's scheduler records them: distinct
+        within a request, rising across its rounds (``BLOCK_TOKENS`` tokens a key)."""
+        ctx = self._context()
+        if self.positions:
+            first = ((self._round - 1) % ROUNDS_PER_REQUEST) * self.batch
+            for j, key in enumerate(keys, first + 1):
+                ctx.set_offload_key_position(key, j * BLOCK_TOKENS)
+        return keys, ctx
 
     def settle(self) -> None:
         """Apply the stores run since the last call to the resident/absent view (untimed)."""
@@ -266,13 +285,19 @@ class CacheRegistry:
     def __init__(self) -> None:
         self._caches: dict[str, FilledCache] = {}
 
-    def get(self, impl: str, policy: str, num_chunks: int) -> FilledCache:
+    def get(
+        self, impl: str, policy: str, num_chunks: int, *, positions: bool = False
+    ) -> FilledCache:
         """The filled cache of ``impl`` at this policy and size, filling it if needed."""
         cache = self._caches.get(impl)
-        if cache is None or (cache.policy, cache.num_chunks) != (policy, num_chunks):
+        if cache is None or (cache.policy, cache.num_chunks, cache.positions) != (
+            policy,
+            num_chunks,
+            positions,
+        ):
             self._caches.pop(impl, None)
             del cache  # let the old pool go before filling the new one
-            cache = FilledCache(impl, policy, num_chunks)
+            cache = FilledCache(impl, policy, num_chunks, positions=positions)
             self._caches[impl] = cache
         return cache
 

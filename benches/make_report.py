@@ -79,6 +79,8 @@ DOCUMENTS = (
     "floor",
     "callgrind",
     "core",
+    "positions",
+    "positions_callgrind",
 )
 #: Runs of the target cases beyond the main one (``ffi-2.json``, ``step-2.json``, ``sizes-2.json``).
 EXTRA_RUNS = (2, 3)
@@ -127,6 +129,12 @@ def measure(mode: str, out: Path) -> None:
             *(py, "scaling.py", "--only", "sizes,pinned", "--impls", "rust"),
             *("--json", str(out / f"sizes-{k}.json"), *opts["sizes"]),
         ]
+    # The target cases with token positions recorded, as vLLM's scheduler records them.
+    jobs["positions"] = [
+        *(py, "report.py", "--policies", "lru,arc", "--positions"),
+        *("--ops", "store_evict,load_complete", "--json", str(out / "positions.json")),
+        *opts["targets"],
+    ]
     for name in ("report", "scaling", "step", "bench", "drop", "calls"):
         jobs[name] += opts[name]
     if shutil.which("cargo") is not None:
@@ -141,6 +149,11 @@ def measure(mode: str, out: Path) -> None:
         jobs["callgrind"] = [
             *(py, "callgrind_ffi.py", "--impls", "rust,vllm", "--policies", "lru,arc"),
             *("--json", str(out / "callgrind.json"), *opts["callgrind"]),
+        ]
+        jobs["positions_callgrind"] = [
+            *(py, "callgrind_ffi.py", "--impls", "rust,vllm", "--policies", "lru"),
+            *("--ops", "store_evict,load_complete", "--positions"),
+            *("--json", str(out / "positions_callgrind.json"), *opts["callgrind"]),
         ]
         if shutil.which("cargo") is not None:
             jobs["core"] = [py, "callgrind_core.py", "--json", str(out / "core.json")]

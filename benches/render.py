@@ -117,6 +117,8 @@ def render(d: dict[str, Any], docs: Path) -> str:
     body: list[str] = []
     if "ffi" in d:
         body += _ffi(d["ffi"], docs, targets, d.get("ffi_more", []))
+    if "positions" in d:
+        body += _positions(d["positions"], d.get("positions_callgrind"), targets)
     if "step" in d or "bench" in d:
         body += _replay(d.get("step"), d.get("bench"), docs, targets, d.get("step_more", []))
     if "calls" in d:
@@ -387,6 +389,60 @@ def _ffi(
             ax.grid(axis="y", which="both", alpha=0.3)
             ax.legend()
         out += [_save(fig, docs, "perf-ffi.png"), ""]
+    return out
+
+
+def _positions(
+    doc: dict[str, Any], counts: list[dict[str, Any]] | None, targets: list[list[str]]
+) -> list[str]:
+    """The FFI target cases with token positions recorded (``report.py --positions``)."""
+    out = [
+        "## FFI level with token positions recorded (`benches/report.py --positions`)",
+        "",
+        "The cases above record no token positions, so LRU ranks every chunk by recency alone. "
+        "vLLM's scheduler records each key's end-token position on the request, and LRU then "
+        "ranks the chunks a request stores or loads by request and position: kvoffload reads "
+        "the positions from the context's dict and re-ranks each loaded chunk (a place in the "
+        "order, a tree insertion where the rank falls inside it), which costs it more than it "
+        "costs vLLM, whose cost hardly changes. Here each round records its keys' positions "
+        "first (distinct within a request, rising across its rounds, 16 tokens a key), "
+        "untimed; ARC reads no positions. ns per key, one run, the implementations "
+        "interleaved as above.",
+        "",
+    ]
+    data = doc["ns_per_key"]
+    for policy, per_op in data.items():
+        present = {i for sizes in per_op.values() for row in sizes.values() for i in row}
+        impls = _impls(present)
+        bases = [b for b in ("reference", "vllm") if b in present]
+        header = ["operation", "chunks", *(f"{IMPL_NAMES[i]} ns/key" for i in impls)]
+        header += [f"vs {IMPL_NAMES[b]}" for b in bases]
+        rows = []
+        for op, sizes in per_op.items():
+            for size, row in sizes.items():
+                cells = [LABELS[op], f"{int(size):,}", *(_ns(row[i]) for i in impls)]
+                cells += [_x(row[b] / row["rust"]) for b in bases]
+                rows.append(cells)
+                minimum = VLLM_TARGETS.get(op)
+                if size == TARGET_CHUNKS and minimum is not None and "vllm" in row:
+                    ratio = row["vllm"] / row["rust"]
+                    what = LABELS[op].split(" (")[0]
+                    targets.append(
+                        [
+                            f"vs vLLM, {policy}, 10^5 chunks, 32 keys, token positions recorded "
+                            f"(one run): {what} >= {minimum:.0f}x",
+                            _x(ratio),
+                            _met(ratio >= minimum),
+                        ]
+                    )
+        out += [f"### {policy}", "", *_table(header, rows)]
+    if counts:
+        out += [
+            "Instructions per key of the same cases with positions (`callgrind_ffi.py "
+            "--positions`, as in the callgrind section below):",
+            "",
+            *callgrind_table(counts),
+        ]
     return out
 
 

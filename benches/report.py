@@ -12,6 +12,7 @@ flat).
     python benches/report.py                       # lru, 10^3 / 10^5 / 10^6 chunks
     python benches/report.py --policies lru,arc,fifo,sieve,s3fifo,2q,slru --sizes 100000
     python benches/report.py --policies lru,arc --sizes 1000,100000 --json out.json
+    python benches/report.py --policies lru,arc --sizes 100000 --positions  # token positions set
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", type=_names, default=list(OPERATIONS), help="comma-separated")
     parser.add_argument("--repeat", type=int, default=7, help="runs per case; min kept (7)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the numbers as JSON")
+    parser.add_argument(
+        "--positions",
+        action="store_true",
+        help="record each key's token position on the context, as vLLM's scheduler does",
+    )
     args = parser.parse_args(argv)
 
     impls = []
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"report: skipping {impl}/{policy} ({reason})", file=sys.stderr)
                     continue
                 started = time.perf_counter()
-                caches[impl] = registry.get(impl, policy, size)
+                caches[impl] = registry.get(impl, policy, size, positions=args.positions)
                 fills[f"{policy}/{size}/{impl}"] = caches[impl].fill_s
                 print(
                     f"report: {policy} {size:>9,} chunks {impl:<10} filled in "
@@ -106,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": sys.version,
             "platform": platform.platform(),
             "repeat": args.repeat,
+            "positions": args.positions,
             "fill_s": fills,
             "ns_per_key": {
                 policy: {op: {str(s): v for s, v in sizes.items()} for op, sizes in ops.items()}

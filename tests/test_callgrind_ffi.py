@@ -14,7 +14,7 @@ if str(BENCHES) not in sys.path:
     sys.path.insert(0, str(BENCHES))
 
 import callgrind_ffi  # noqa: E402
-from cases import OPERATIONS  # noqa: E402
+from cases import BLOCK_TOKENS, OPERATIONS, ROUNDS_PER_REQUEST, FilledCache  # noqa: E402
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
@@ -22,6 +22,23 @@ from cases import OPERATIONS  # noqa: E402
 def test_the_counted_process_runs_each_case(op: str, policy: str) -> None:
     # What callgrind runs, without callgrind: a small pool, a few rounds after a warm-up.
     assert callgrind_ffi.main(["--child", "rust", policy, op, "64", "3", "2"]) == 0
+    argv = ["--child", "rust", policy, op, "64", "3", "2", "positions"]
+    assert callgrind_ffi.main(argv) == 0
+
+
+@pytest.mark.parametrize("op", ["store_evict", "load_complete"])
+def test_positions_are_recorded_as_a_scheduler_records_them(op: str) -> None:
+    # Distinct within a request, rising across its rounds; none without `positions`.
+    cache = FilledCache("rust", "lru", 256, batch=4, positions=True)
+    rounds = cache.prepare(op, 2 * ROUNDS_PER_REQUEST)
+    by_ctx: dict[int, list[int]] = {}
+    for keys, ctx in rounds:
+        by_ctx.setdefault(id(ctx), []).extend(ctx.get_offload_key_position(k) for k in keys)
+    expected = [BLOCK_TOKENS * (j + 1) for j in range(4 * ROUNDS_PER_REQUEST)]
+    assert list(by_ctx.values()) == [expected, expected]
+    plain = FilledCache("rust", "lru", 256, batch=4)
+    keys, ctx = plain.prepare(op, 1)[0]
+    assert [ctx.get_offload_key_position(k) for k in keys] == [None] * 4
 
 
 @pytest.mark.parametrize(

@@ -260,3 +260,26 @@ def test_memory_without_a_turnover_renders_as_before(render: ModuleType, tmp_pat
     text = "\n".join(render._memory(_memory(None), tmp_path, targets))
     assert "turnover" not in text
     assert targets == [["arc: manager state <= 64 bytes per chunk", "60 bytes (RSS)", "**met**"]]
+
+
+def test_the_cases_with_positions_get_a_section_and_their_own_target_rows(
+    render: ModuleType, tmp_path: Path
+) -> None:
+    meta = {"mode": "quick", "date": "today"}
+    assert "token positions recorded" not in render.render({"meta": meta}, tmp_path)
+    by_size = {
+        "store_evict": {"100000": {"rust": 300.0, "reference": 6000.0, "vllm": 9300.0}},
+        "load_complete": {"100000": {"rust": 200.0, "reference": 3000.0, "vllm": 3000.0}},
+    }
+    doc = {"positions": True, "ns_per_key": {"lru": by_size}}
+    counts = [_counts("rust", "load_complete", 1500.0)]
+    text = render.render({"meta": meta, "positions": doc, "positions_callgrind": counts}, tmp_path)
+    assert "## FFI level with token positions recorded" in text
+    target = "| vs vLLM, lru, 10^5 chunks, 32 keys, token positions recorded (one run): "
+    assert f"{target}store with eviction >= 30x | 31.0x | **met** |" in text
+    assert f"{target}load >= 20x | 15.0x | **not met** |" in text
+    assert (
+        f"| {render.LABELS['store_evict']} | 100,000 | 300 | 6,000 | 9,300 | 20.0x | 31.0x |"
+        in (text)
+    )
+    assert f"| lru | {render.LABELS['load_complete']} | 1,000 | 1,500 |" in text
