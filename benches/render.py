@@ -331,18 +331,7 @@ def _ffi(
         "",
     ]
     for policy, per_op in data.items():
-        present = {i for sizes in per_op.values() for row in sizes.values() for i in row}
-        impls = _impls(present)
-        bases = [b for b in ("reference", "vllm") if b in present]
-        header = ["operation", "chunks", *(f"{IMPL_NAMES[i]} ns/key" for i in impls)]
-        header += [f"vs {IMPL_NAMES[b]}" for b in bases]
-        rows = []
-        for op, sizes in per_op.items():
-            for size, row in sizes.items():
-                cells = [LABELS[op], f"{int(size):,}", *(_ns(row[i]) for i in impls)]
-                cells += [_x(row[b] / row["rust"]) for b in bases]
-                rows.append(cells)
-        out += [f"### {policy}", "", *_table(header, rows)]
+        out += [f"### {policy}", "", *_ffi_table(per_op)]
     # Targets and plot: lru and arc at 10^5 chunks.
     fig_policies = [p for p in ("lru", "arc") if p in data]
     for policy in fig_policies:
@@ -392,6 +381,22 @@ def _ffi(
     return out
 
 
+def _ffi_table(per_op: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+    """One policy's FFI cases: ns per key by implementation, and kvoffload's speed-ups."""
+    present = {i for sizes in per_op.values() for row in sizes.values() for i in row}
+    impls = _impls(present)
+    bases = [b for b in ("reference", "vllm") if b in present]
+    header = ["operation", "chunks", *(f"{IMPL_NAMES[i]} ns/key" for i in impls)]
+    header += [f"vs {IMPL_NAMES[b]}" for b in bases]
+    rows = []
+    for op, sizes in per_op.items():
+        for size, row in sizes.items():
+            cells = [LABELS[op], f"{int(size):,}", *(_ns(row[i]) for i in impls)]
+            cells += [_x(row[b] / row["rust"]) for b in bases]
+            rows.append(cells)
+    return _table(header, rows)
+
+
 def _positions(
     doc: dict[str, Any], counts: list[dict[str, Any]] | None, targets: list[list[str]]
 ) -> list[str]:
@@ -410,19 +415,9 @@ def _positions(
         "interleaved as above.",
         "",
     ]
-    data = doc["ns_per_key"]
-    for policy, per_op in data.items():
-        present = {i for sizes in per_op.values() for row in sizes.values() for i in row}
-        impls = _impls(present)
-        bases = [b for b in ("reference", "vllm") if b in present]
-        header = ["operation", "chunks", *(f"{IMPL_NAMES[i]} ns/key" for i in impls)]
-        header += [f"vs {IMPL_NAMES[b]}" for b in bases]
-        rows = []
+    for policy, per_op in doc["ns_per_key"].items():
         for op, sizes in per_op.items():
             for size, row in sizes.items():
-                cells = [LABELS[op], f"{int(size):,}", *(_ns(row[i]) for i in impls)]
-                cells += [_x(row[b] / row["rust"]) for b in bases]
-                rows.append(cells)
                 minimum = VLLM_TARGETS.get(op)
                 if size == TARGET_CHUNKS and minimum is not None and "vllm" in row:
                     ratio = row["vllm"] / row["rust"]
@@ -435,7 +430,7 @@ def _positions(
                             _met(ratio >= minimum),
                         ]
                     )
-        out += [f"### {policy}", "", *_table(header, rows)]
+        out += [f"### {policy}", "", *_ffi_table(per_op)]
     if counts:
         out += [
             "Instructions per key of the same cases with positions (`callgrind_ffi.py "
