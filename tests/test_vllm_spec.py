@@ -314,3 +314,13 @@ def test_another_vllm_version_is_warned_about(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(integration, "_BUILDERS", {"RustLRU": lambda: int})
     with pytest.warns(RuntimeWarning, match="tested against vLLM 0.33.0; this is vLLM 0.34.0"):
         assert integration.RustLRU is int
+
+
+def test_the_admission_settings_read_as_vllms_attributes(oracle: Any, vllm_mod: Any) -> None:
+    kwargs = {"store_threshold": 2, "max_tracker_size": 10}
+    ours = vllm_mod.KVOffloadCPUOffloadingManager(4, **kwargs)
+    theirs = oracle.manager_module.CPUOffloadingManager(4, **kwargs)
+    for name in kwargs:
+        assert getattr(ours, name) == getattr(theirs, name) == kwargs[name]
+        with pytest.raises(AttributeError):
+            setattr(ours, name, 3)  # read-only: the core keeps the setting

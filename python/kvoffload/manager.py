@@ -146,6 +146,8 @@ class CPUOffloadingManager:
         self._pending_write_timeout = timeout
         self._liveness_stats = timeout is not None and self._types is types
         self._num_chunks = num_chunks
+        self._store_threshold = store_threshold
+        self._max_tracker_size = max_tracker_size
         self._config_info = config_info_of(info)
         self._lock = threading.Lock()
         # The hot calls go straight to the core: each method below that this class does not
@@ -172,6 +174,16 @@ class CPUOffloadingManager:
     def num_chunks(self) -> int:
         """Slots of the host pool."""
         return self._num_chunks
+
+    @property
+    def store_threshold(self) -> int:
+        """Offers a key needs before a store admits it (as vLLM's manager's attribute)."""
+        return self._store_threshold
+
+    @property
+    def max_tracker_size(self) -> int:
+        """Bound of the admission tracker (as vLLM's manager's attribute)."""
+        return self._max_tracker_size
 
     # --- lookups ---
 

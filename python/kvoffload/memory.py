@@ -347,7 +347,9 @@ class HostPool:
         if not isinstance(shape, Sequence):
             raise InvalidArgumentError(f"shape must be a sequence of ints, got {shape!r}")
         dims = tuple(_count("shape entry", d, 0) for d in shape)
-        if dt.hasobject or math.prod(dims) * dt.itemsize != self.chunk_bytes:
+        if dt.hasobject:
+            raise InvalidArgumentError(f"{dt} holds Python objects: pool memory cannot be one")
+        if math.prod(dims) * dt.itemsize != self.chunk_bytes:
             raise InvalidArgumentError(
                 f"{dt}{list(dims)} is {math.prod(dims) * dt.itemsize} bytes, not one "
                 f"{self.chunk_bytes}-byte chunk"
@@ -363,8 +365,8 @@ class HostPool:
         self, chunk_id: int, dtype: npt.DTypeLike = np.uint8, shape: Sequence[int] | None = None
     ) -> npt.NDArray[Any]:
         """One chunk's memory (no copy): ``uint8[chunk_bytes]``, or ``dtype[*shape]``."""
-        cid = _count("chunk_id", chunk_id, 0)
-        if cid >= self.num_chunks:
+        cid = _count("chunk_id", chunk_id, -sys.maxsize - 1)
+        if not 0 <= cid < self.num_chunks:  # as an id out of range in a transfer
             raise BlockIndexError(f"chunk id {cid} is out of range 0..{self.num_chunks}")
         dt = _dtype(dtype)
         if shape is None and dt == np.uint8:

@@ -126,7 +126,7 @@ pub(crate) fn check_available(bytes: usize) -> Result<()> {
     });
     match available {
         Some(avail) if bytes as u64 > avail => Err(CoreError::Os(format!(
-            "a pool of {bytes} bytes does not fit in the {avail} bytes of memory available              (MemAvailable); ask for fewer or smaller chunks"
+            "a pool of {bytes} bytes does not fit in the {avail} bytes of memory available (MemAvailable); ask for fewer or smaller chunks"
         ))),
         _ => Ok(()),
     }
