@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvoffload.types import ReqContext, make_offload_key
 from kvoffload.workload import CALL_KINDS, ReplayResult, Workload, WorkloadConfig, generate, replay
 
 __all__ = [
@@ -50,6 +52,8 @@ POLICIES: tuple[str, ...] = ("lru", "arc")
 #: vLLM 0.33.0's own manager: the name, and the policies it has built in.
 VLLM = "vllm"
 VLLM_POLICIES: tuple[str, ...] = ("lru", "arc")
+#: How a replay digest starts when the implementation answered differently in two replays.
+NONDETERMINISTIC = "nondeterministic:"
 
 #: The call kinds shown in the table (``events`` only when ``--events`` is on).
 TABLE_KINDS: tuple[str, ...] = tuple(k for k in CALL_KINDS if k != "events")
@@ -206,9 +210,13 @@ def run(args: argparse.Namespace) -> int:
     speedups = _speedups(runs)
     print()
     for policy, ok in identical.items():
-        if ok:
-            impls = [r.impl for r in runs if r.policy == policy]
-            digest = next(r.result.digest for r in runs if r.policy == policy)
+        impls = [r.impl for r in runs if r.policy == policy]
+        digest = next(r.result.digest for r in runs if r.policy == policy)
+        if ok and len(impls) == 1:
+            print(
+                f"{policy}: answers from {impls[0]} alone, compared with nothing (digest {digest})"
+            )
+        elif ok:
             print(f"{policy}: identical answers from {', '.join(impls)} (digest {digest})")
         else:
             print(f"{policy}: MISMATCH, see stderr")
@@ -232,6 +240,8 @@ def _run_all(
 ) -> list[BenchRun]:
     """Replay every (policy, implementation), ``args.repeat`` times each, interleaved."""
     best: dict[tuple[str, str], ReplayResult] = {}
+    digests: dict[tuple[str, str], str] = {}  # of each one's first replay
+    unstable: set[tuple[str, str]] = set()
     tqdm = _tqdm_class()
     types: dict[str, Any] = {}
     if VLLM in classes:
@@ -258,14 +268,44 @@ def _run_all(
                         progress=bar.update,
                         **(types if name == VLLM else {}),
                     )
+                context_cls = types["context_cls"] if name == VLLM else ReqContext
+                result.digest += "+" + _eviction_order(manager, args.chunks, context_cls)
                 del manager
-                previous = best.get((policy, name))
-                if previous is not None and previous.digest != result.digest:
+                first = digests.setdefault((policy, name), result.digest)
+                if result.digest != first and (policy, name) not in unstable:
                     print(f"kvoffload bench: {policy}/{name} is not deterministic", file=sys.stderr)
-                    result.digest = f"nondeterministic:{result.digest}"
+                    unstable.add((policy, name))
+                previous = best.get((policy, name))
                 if previous is None or result.total_ns < previous.total_ns:
                     best[(policy, name)] = result
+    for key in unstable:  # whichever replay was kept
+        best[key].digest = f"{NONDETERMINISTIC}{best[key].digest}"
     return [BenchRun(policy, impl, result) for (policy, impl), result in best.items()]
+
+
+def _eviction_order(manager: Any, chunks: int, context_cls: Any) -> str:
+    """A digest of the order in which the policy would evict what the pool holds at the end.
+
+    Untimed, after a replay: as many fresh keys stored as the pool has chunks, in batches of 32,
+    so that the policies' state at the end is compared too, not only what the replay's answers
+    showed of it.
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    ctx = context_cls("kvoffload-bench-eviction-order")
+    manager.on_new_request(ctx)
+    for lo in range(0, chunks, 32):
+        keys = [
+            make_offload_key(hashlib.blake2b(b"order-%d" % i, digest_size=32).digest(), 0)
+            for i in range(lo, min(lo + 32, chunks))
+        ]
+        out = manager.prepare_store(keys, ctx)
+        if out is None:
+            digest.update(b"N;")
+            continue
+        digest.update(b"".join(out.evicted_keys) + b";")
+        manager.complete_store(list(out.keys_to_store), ctx)
+    manager.on_request_finished(ctx)
+    return digest.hexdigest()
 
 
 def _tqdm_class() -> Any:
@@ -275,12 +315,13 @@ def _tqdm_class() -> Any:
 
 
 def _check_identical(runs: list[BenchRun]) -> dict[str, bool]:
-    """Tell, per policy, whether every implementation got the same answers as the first."""
+    """Per policy: every implementation got the first one's answers, each in all its replays."""
     first: dict[str, ReplayResult] = {}
     out: dict[str, bool] = {}
     for r in runs:
         base = first.setdefault(r.policy, r.result)
-        out[r.policy] = out.get(r.policy, True) and base.same_answers(r.result)
+        same = base.same_answers(r.result) and not r.result.digest.startswith(NONDETERMINISTIC)
+        out[r.policy] = out.get(r.policy, True) and same
     return out
 
 
