@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvoffload import CPUOffloadingMetrics, LookupResult, ReqContext, make_offload_key
+from kvoffload.policies import CachePolicy as PluginCachePolicy
 
 MakeManager = Callable[..., Any]
 
@@ -151,3 +152,39 @@ def exit_code(pid: int) -> int:
     """Wait for child ``pid``; its exit code."""
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
+
+
+class OldestFirst(PluginCachePolicy):
+    """A plug-in policy with vLLM's method set only (no ``items``, no ``check_invariants``):
+    oldest first. ``answer``, when set, replaces what ``evict`` returns. By module path:
+    ``cache_policy="OldestFirst", cache_policy_module_path="_helpers"``."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.chunks: dict[bytes, Any] = {}
+        self.answer: Callable[[OldestFirst, int, Any], Any] | None = None
+
+    def get(self, key: bytes) -> Any:
+        return self.chunks.get(key)
+
+    def insert(self, key: bytes, chunk: Any, req_context: Any) -> None:
+        self.chunks[key] = chunk
+
+    def remove(self, key: bytes) -> None:
+        del self.chunks[key]
+
+    def touch(self, keys: Sequence[bytes], req_context: Any) -> None:
+        pass
+
+    def evict(self, n: int, protected: set[bytes]) -> Any:
+        if self.answer is not None:
+            return self.answer(self, n, protected)
+        victims = [(k, c) for k, c in self.chunks.items() if c.ref_cnt == 0 and k not in protected]
+        if len(victims) < n:
+            return None
+        for k, _ in victims[:n]:
+            del self.chunks[k]
+        return victims[:n]
+
+    def clear(self) -> None:
+        self.chunks.clear()

@@ -6,7 +6,8 @@
   manager running the same policies built in: the plumbing (context, key objects, ref counts
   mirrored into the statuses, the order of every call) is exact.
 - A policy that raises leaves the manager consistent, as `CPUOffloadingManager` documents; a
-  policy that breaks the evict contract or calls back into its manager gets a clear error.
+  policy that breaks the evict contract or calls back into its manager gets a clear error. The
+  reference manager refuses a broken evict answer the same way.
 """
 
 from __future__ import annotations
@@ -386,17 +387,20 @@ class Flaky(CachePolicy):
 FLAKY_METHODS = tuple(m for m in POLICY_METHODS if m != "get")
 
 
-def _flaky_manager(num_chunks: int, **kwargs: Any) -> CPUOffloadingManager:
+def _flaky_manager(
+    num_chunks: int, manager_cls: Any = CPUOffloadingManager, **kwargs: Any
+) -> CPUOffloadingManager:
     module = type(sys)("kvoffload_test_flaky")
     module.Flaky = Flaky  # type: ignore[attr-defined]
     sys.modules["kvoffload_test_flaky"] = module
-    return CPUOffloadingManager(
+    manager: CPUOffloadingManager = manager_cls(
         num_chunks,
         cache_policy="Flaky",
         cache_policy_module_path="kvoffload_test_flaky",
         enable_events=True,
         **kwargs,
     )
+    return manager
 
 
 def _snapshot(m: CPUOffloadingManager) -> tuple[Any, ...]:
@@ -527,31 +531,42 @@ class Liar(Flaky):
         return self.answer(self, n, protected)
 
 
-@pytest.mark.parametrize(
-    ("answer", "match"),
-    [
-        (lambda p, n, prot: [], "returned 0 chunks"),
-        (
-            lambda p, n, prot: [(k, c) for k, c in p.chunks.items() if k in prot or c.ref_cnt == 0][
-                :n
-            ],
-            "protected",
+#: Answers of ``evict`` that break its contract, and what the error says.
+BROKEN_EVICTS: list[tuple[Any, str]] = [
+    (lambda p, n, prot: [], "returned 0 chunks"),
+    (lambda p, n, prot: list(p.chunks.items())[: n + 1], "returned 3 chunks"),
+    (
+        lambda p, n, prot: [(k, c) for k, c in p.chunks.items() if k in prot or c.ref_cnt == 0][:n],
+        "protected",
+    ),
+    (lambda p, n, prot: [(k, c) for k, c in p.chunks.items() if c.ref_cnt != 0][:n], "ref"),
+    (lambda p, n, prot: [(b"nope", ChunkStatus(0))] * n, "does not hold"),
+    (lambda p, n, prot: [(k, ChunkStatus(99)) for k in list(p.chunks)[:n]], "does not hold"),
+    (lambda p, n, prot: [5] * n, r"\(key, status\) pairs"),
+    (lambda p, n, prot: [(c, k) for k, c in list(p.chunks.items())[:n]], "key of type"),
+    (lambda p, n, prot: 5, r"\(key, status\) pairs or None"),
+    (lambda p, n, prot: [(k, None) for k in list(p.chunks)[:n]], "no int chunk_id"),
+    (
+        lambda p, n, prot: (
+            [(k, c) for k, c in p.chunks.items() if c.ref_cnt == 0 and k not in prot][:1] * n
         ),
-        (lambda p, n, prot: [(k, c) for k, c in p.chunks.items() if c.ref_cnt != 0][:n], "ref"),
-        (lambda p, n, prot: [(b"nope", ChunkStatus(0))] * n, "does not hold"),
-        (lambda p, n, prot: [5] * n, r"\(key, status\) pairs"),
-        (lambda p, n, prot: 5, r"\(key, status\) pairs or None"),
-        (lambda p, n, prot: [(k, None) for k in list(p.chunks)[:n]], "no int chunk_id"),
-        (
-            lambda p, n, prot: (
-                [(k, c) for k, c in p.chunks.items() if c.ref_cnt == 0 and k not in prot][:1] * n
-            ),
-            "twice",
-        ),
-    ],
-)
-def test_an_evict_that_breaks_the_contract_raises_policy_error(answer: Any, match: str) -> None:
-    m = _flaky_manager(5)
+        "twice",
+    ),
+]
+
+#: The two managers that drive a Python policy.
+MANAGERS = [
+    pytest.param(CPUOffloadingManager, id="rust"),
+    pytest.param(ReferenceManager, id="reference"),
+]
+
+
+@pytest.mark.parametrize("manager_cls", MANAGERS)
+@pytest.mark.parametrize(("answer", "match"), BROKEN_EVICTS)
+def test_an_evict_that_breaks_the_contract_raises_policy_error(
+    manager_cls: Any, answer: Any, match: str
+) -> None:
+    m = _flaky_manager(5, manager_cls)
     m.policy.__class__ = Liar
     m.policy.answer = answer
     ctx = ReqContext(req_id="r")
@@ -565,6 +580,53 @@ def test_an_evict_that_breaks_the_contract_raises_policy_error(answer: Any, matc
         m.prepare_store([a, d, e], ctx)
     assert _snapshot(m) == before
     m.check_invariants()
+
+
+def _raise(p: Any, n: int, prot: Any) -> Any:
+    raise RuntimeError("policy failed in evict")
+
+
+@pytest.mark.parametrize(
+    "answer", [pytest.param(a, id=m) for a, m in BROKEN_EVICTS] + [pytest.param(_raise, id="raise")]
+)
+def test_both_managers_refuse_a_broken_evict_alike(answer: Any) -> None:
+    # The same calls, the same broken policy: the same exception, and neither manager changed
+    # anything, the offer's admission counts (store_threshold 2) included.
+    seen: dict[str, Any] = {}
+    for manager_cls in (CPUOffloadingManager, ReferenceManager):
+        m = _flaky_manager(5, manager_cls, store_threshold=2, max_tracker_size=16)
+        m.policy.__class__ = Liar
+        m.policy.answer = answer
+        a, b, c, d, e, f, g = (bytes([i]) * 4 for i in range(7))
+        for req in ("s", "t"):  # the second offer reaches the threshold
+            m.prepare_store([a, b, c, f, g], ReqContext(req_id=req))
+        m.complete_store([a, b, f, g], ReqContext(req_id="t"))
+        m.prepare_load([b], ReqContext(req_id="t"))
+        m.prepare_store([d, e], ReqContext(req_id="u"))  # counted once: admitted next time
+        before = _snapshot(m)
+        with pytest.raises(Exception) as info:  # noqa: PT011 (compared below)
+            m.prepare_store([a, d, e], ReqContext(req_id="r"))
+        assert _snapshot(m) == before
+        m.check_invariants()
+        seen[manager_cls.__module__] = (type(info.value), before)
+    assert seen["kvoffload.manager"] == seen["kvoffload.reference.manager"]
+    assert seen["kvoffload.manager"][0] in (PolicyError, RuntimeError)
+
+
+@pytest.mark.parametrize("method", ["on_store_miss", "on_request_access"])
+def test_both_managers_leave_the_offer_uncounted_when_the_policy_raises(method: str) -> None:
+    seen = []
+    for manager_cls in (CPUOffloadingManager, ReferenceManager):
+        m = _flaky_manager(5, manager_cls, store_threshold=2, max_tracker_size=16)
+        a, b, c = (bytes([i]) * 4 for i in range(3))
+        m.prepare_store([a, b], ReqContext(req_id="s"))
+        before = _snapshot(m)
+        m.policy.fail_in = method
+        with pytest.raises(RuntimeError, match=method):
+            m.prepare_store([a, b, c], ReqContext(req_id="t"))
+        assert _snapshot(m) == before
+        seen.append(before)
+    assert seen[0] == seen[1]
 
 
 def test_a_policy_calling_its_manager_gets_reentrant_call_error() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from _helpers import OldestFirst
 from kvoffload.errors import (
     DuplicateKeyError,
     InvalidArgumentError,
@@ -14,6 +15,7 @@ from kvoffload.errors import (
     InvariantViolation,
     KeyStateError,
     KVOffloadError,
+    PolicyError,
     RequestFinishedError,
 )
 from kvoffload.reference import (
@@ -824,3 +826,102 @@ def test_check_invariants_finds_each_broken_invariant(policy: str, what: str) ->
     corrupt(m, keys)
     with pytest.raises(InvariantViolation, match=says):
         m.check_invariants()
+
+
+# -- a plug-in policy with vLLM's method set only ------------------------------------------------
+
+
+@pytest.fixture
+def plain() -> Callable[..., CPUOffloadingManager]:
+    """``plain(num_chunks, **kwargs)``: a reference manager driving an `OldestFirst` policy."""
+
+    def make(num_chunks: int, **kwargs: Any) -> CPUOffloadingManager:
+        return CPUOffloadingManager(
+            num_chunks, cache_policy="OldestFirst", cache_policy_module_path="_helpers", **kwargs
+        )
+
+    return make
+
+
+def test_check_invariants_and_resident_work_with_any_policy(
+    plain: Callable[..., CPUOffloadingManager],
+) -> None:
+    m = plain(3)
+    ctx = ReqContext("r")
+    store(m, keys(1, 2, 3), ctx)  # check_invariants, with nothing but vLLM's methods to go by
+    m.prepare_load(keys(2), ctx)
+    out = m.prepare_store(keys(4), ctx)  # evicts 1, the oldest unpinned
+    assert out is not None
+    assert out.evicted_keys == keys(1)
+    m.check_invariants()
+    assert m.resident() == {key(2): (1, 1), key(3): (2, 0), key(4): (0, -1)}
+    m.complete_store(keys(4), ctx, success=False)
+    m.check_invariants()
+    assert set(m.resident()) == set(keys(2, 3))
+    m.reset_cache()
+    m.check_invariants()
+    assert m.resident() == {}
+
+
+def test_check_invariants_finds_a_policy_that_lost_a_key(
+    plain: Callable[..., CPUOffloadingManager],
+) -> None:
+    m = plain(3)
+    store(m, keys(1, 2))
+    del m.policy.chunks[key(2)]  # type: ignore[attr-defined]
+    with pytest.raises(InvariantViolation, match="get"):
+        m.check_invariants()
+
+
+def _raising_evict(p: OldestFirst, n: int, protected: Any) -> Any:
+    raise RuntimeError("policy failed in evict")
+
+
+@pytest.mark.parametrize("admission", ["tracker", "tinylfu"])
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        pytest.param(lambda p, n, prot: [], PolicyError, id="none"),
+        pytest.param(lambda p, n, prot: list(p.chunks.items()), PolicyError, id="all"),
+        pytest.param(lambda p, n, prot: [(key(9), ChunkStatus(0))], PolicyError, id="not held"),
+        pytest.param(
+            lambda p, n, prot: [(k, c) for k, c in p.chunks.items() if k in prot],
+            PolicyError,
+            id="protected",
+        ),
+        pytest.param(_raising_evict, RuntimeError, id="raises"),
+    ],
+)
+def test_a_failed_eviction_leaves_the_offer_uncounted_and_unrecorded(
+    plain: Callable[..., CPUOffloadingManager],
+    admission: str,
+    answer: Callable[[OldestFirst, int, Any], Any],
+    error: type[Exception],
+) -> None:
+    # As in the Rust manager: the policy hears of the store misses and the access, but the
+    # manager counts the offer, records the request's access and samples the allocation only
+    # once the eviction succeeded or declined.
+    m = plain(3, store_threshold=2, admission=admission, enable_events=True)
+    for req in ("a", "b"):  # the second request's offer reaches the threshold
+        m.prepare_store(keys(1, 2, 3), ReqContext(req))
+    m.complete_store(keys(1, 2, 3), ReqContext("b"))
+    m.prepare_store(keys(4, 1), ReqContext("o"))  # 4 counted once: admitted next time
+    ctx = ReqContext("r")
+    m.prepare_load(keys(1), ctx)
+    m.complete_load(keys(1), ctx)
+    sketch = m._sketch
+
+    def counts() -> Any:
+        return None if sketch is None else (bytes(sketch.table), sketch.samples)
+
+    before = (snapshot(m, ctx), counts())
+    m.policy.answer = answer  # type: ignore[attr-defined]
+    with pytest.raises(error):
+        m.prepare_store(keys(4, 1), ctx)
+    assert (snapshot(m, ctx), counts()) == before
+    m.check_invariants()
+    m.policy.answer = None  # type: ignore[attr-defined]
+    out = m.prepare_store(keys(4, 1), ctx)
+    assert out is not None
+    assert (out.keys_to_store, out.evicted_keys) == (keys(4), keys(2))
+    m.check_invariants()

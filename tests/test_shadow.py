@@ -16,7 +16,7 @@ from kvoffload import (
     make_offload_key,
 )
 from kvoffload._common import BUILTIN_POLICIES
-from kvoffload.shadow import SHADOW_HITS, SHADOW_LOOKUPS
+from kvoffload.shadow import SHADOW_HITS, SHADOW_LOOKUPS, ShadowSet
 
 KEYS = [make_offload_key(i.to_bytes(4, "big"), 0) for i in range(64)]
 
@@ -96,6 +96,17 @@ def test_bad_shadow_arguments_raise() -> None:
         CPUOffloadingManager(4, shadow_policies="arc")  # type: ignore[arg-type]
     plain = CPUOffloadingManager(4, shadow_policies=[])
     assert not hasattr(plain, "shadow_report")  # no shadows: the plain manager, no overhead
+
+
+def test_a_str_of_shadow_policies_is_refused_for_what_it_is() -> None:
+    # Not split into letters ("no built-in policy 'a'"): the error says to pass a list.
+    with pytest.raises(InvalidArgumentError, match=r"such as \['arc'\], not a str"):
+        ShadowSet("lru", "arc", 4, 1, 64)
+
+
+def test_the_manager_refuses_a_str_of_shadow_policies_for_what_it_is() -> None:
+    with pytest.raises(InvalidArgumentError, match="not a str"):
+        CPUOffloadingManager(4, shadow_policies="arc")  # type: ignore[arg-type]
 
 
 def test_counts_from_several_threads_add_up() -> None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import struct
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +20,7 @@ from kvoffload.sim import (
     write_jsonl,
     write_object_trace,
 )
+from kvoffload.sim import cli as sim_cli
 
 
 def test_sim_serving_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,11 +96,14 @@ def test_sim_plugin_runs_on_the_rust_manager(
     assert (tmp_path / "sim.json").exists()
 
 
-def test_docs_python_example_runs() -> None:
+def test_docs_python_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     text = (Path(__file__).resolve().parent.parent / "docs" / "sim.md").read_text()
     start = text.index("```python\n") + len("```python\n")
     code = text[start : text.index("```", start)]
-    exec(compile(code, "docs/sim.md", "exec"), {"__name__": "docs_example"})
+    # Saved as a script, it starts worker processes that re-run it: it needs the guard.
+    assert 'if __name__ == "__main__":' in code
+    exec(compile(code, "docs/sim.md", "exec"), {"__name__": "__main__"})
+    assert "('arc', 8192" in capsys.readouterr().out
 
 
 def test_sim_jsonl_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -125,3 +134,195 @@ def test_sim_shadows_beside_the_reference_are_a_clear_error(
     assert main([*argv, "--out", str(tmp_path), "--no-progress"]) == 2
     assert "shadows run beside kvoffload's Rust manager only" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+#: A plug-in policy with vLLM's method set only (no ``items``): most recently used first.
+MRU_POLICY = """
+from kvoffload.policies import CachePolicy
+
+
+class MRUPolicy(CachePolicy):
+    def __init__(self, cache_capacity):
+        super().__init__(cache_capacity)
+        self.chunks = {}
+
+    def get(self, key):
+        return self.chunks.get(key)
+
+    def insert(self, key, chunk, req_context):
+        self.chunks[key] = chunk
+
+    def remove(self, key):
+        del self.chunks[key]
+
+    def touch(self, keys, req_context):
+        for key in keys:
+            if key in self.chunks:
+                self.chunks[key] = self.chunks.pop(key)
+
+    def evict(self, n, protected):
+        victims = []
+        for key in reversed(self.chunks):
+            if self.chunks[key].ref_cnt == 0 and key not in protected:
+                victims.append((key, self.chunks[key]))
+                if len(victims) == n:
+                    break
+        if len(victims) < n:
+            return None
+        for key, _ in victims:
+            del self.chunks[key]
+        return victims
+
+    def clear(self):
+        self.chunks.clear()
+"""
+
+CWD_MODULE = "kvoffload_test_cwd_policies"
+
+
+@pytest.fixture
+def policy_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The current folder, holding the plug-in module `CWD_MODULE` (on no other path)."""
+    folder = tmp_path / "policies"
+    folder.mkdir()
+    (folder / f"{CWD_MODULE}.py").write_text(MRU_POLICY)
+    monkeypatch.chdir(folder)
+    yield folder
+    sys.modules.pop(CWD_MODULE, None)
+
+
+@pytest.mark.parametrize("impl", ["rust", "reference"])
+def test_sim_imports_a_policy_module_from_the_current_folder(
+    policy_folder: Path, tmp_path: Path, impl: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As `python -m` would, in this process and in the two worker processes.
+    argv = ["sim", "--policies", "MRUPolicy", "--cache-policy-module-path", CWD_MODULE]
+    argv += ["--impl", impl, "--requests", "30", "--sizes", "64,128", "--jobs", "2"]
+    assert main([*argv, "--out", str(tmp_path / "o"), "--no-plot", "--no-progress"]) == 0
+    assert "MRUPolicy miss" in capsys.readouterr().out
+    assert str(policy_folder) not in sys.path  # put back as it was after the run
+
+
+def test_sim_unimportable_policy_module_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["sim", "--policies", "MRUPolicy", "--cache-policy-module-path", "kvoffload_test_nope"]
+    assert main([*argv, "--requests", "20", "--out", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvoffload sim: error: cache policy 'MRUPolicy': cannot import")
+    assert "No module named 'kvoffload_test_nope'" in err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("impl", "says"),
+    [
+        ("Rust", "unknown implementation 'Rust'"),
+        ("bogus_kvoffload_module:X", "cannot import it"),
+        ("kvoffload:Nope", "has no attribute 'Nope'"),
+        ("kvoffload.sim:SimConfig", "not a manager class"),
+    ],
+)
+def test_sim_bad_impl_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], impl: str, says: str
+) -> None:
+    argv = ["sim", "--impl", impl, "--requests", "20", "--jobs", "2", "--out", str(tmp_path)]
+    assert main([*argv, "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("kvoffload sim: error: ")
+    assert says in captured.err
+    assert captured.out == ""  # refused before the run began
+    assert not list(tmp_path.iterdir())
+
+
+def _write_empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def _write_zero_sizes(path: Path) -> None:
+    path.write_bytes(struct.pack("<IQIq", 1, 5, 0, -1) * 3)
+
+
+def _write_no_prompt_blocks(path: Path) -> None:
+    path.write_text('{"req_id": "r", "arrival": 0, "block_hashes": [[]], "output_tokens": 64}\n')
+
+
+@pytest.mark.parametrize(
+    ("argv", "name", "write"),
+    [
+        (["--requests", "0"], None, None),
+        (["--workload", "zipf-objects", "--requests", "0"], None, None),
+        ([], "empty.jsonl", _write_empty),
+        ([], "empty.txt", _write_empty),
+        ([], "zeros.oracleGeneral", _write_zero_sizes),
+        ([], "prompts.jsonl", _write_no_prompt_blocks),
+    ],
+)
+def test_sim_refuses_a_workload_that_looks_nothing_up(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    name: str | None,
+    write: object,
+) -> None:
+    # A hit or a miss ratio over no lookup is undefined: no "hit 0%" beside "miss 0".
+    if name is not None:
+        assert callable(write)
+        write(tmp_path / name)
+        argv = ["--workload", str(tmp_path / name)]
+    out = tmp_path / "out"
+    assert main(["sim", *argv, "--out", str(out), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert "hit and miss ratios over no lookup are undefined" in captured.err
+    assert "miss" not in captured.out
+    assert not out.exists()
+
+
+def test_sim_non_utf8_trace_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(
+        b'{"req_id": "a", "arrival": 0, "block_hashes": [["00"]]}\n{"req_id": "\xff"}\n'
+    )
+    assert main(["sim", "--workload", str(bad), "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "bad.jsonl:2: not UTF-8 text (byte 0xff" in capsys.readouterr().err
+
+
+def test_sim_libcachesim_says_what_it_did_not_compare(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["sim", "--libcachesim", "--jobs", "1", "--no-plot", "--no-progress"]
+    assert main([*argv, "--requests", "20", "--sizes", "64", "--out", str(tmp_path)]) == 0
+    assert "--libcachesim compares classic mode only" in capsys.readouterr().out
+    argv += ["--workload", "zipf-objects", "--requests", "500", "--policies", "lru,fifo,s3fifo"]
+    assert main([*argv, "--sizes", "10", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "libCacheSim is not compared for fifo, s3fifo" in text
+
+
+def test_sim_help_says_what_each_option_is() -> None:
+    parser = argparse.ArgumentParser()
+    sim_cli.add_arguments(parser)
+    for action in parser._actions:
+        text = re.sub(r"\s*\(%\(default\)s\)", "", action.help or "")
+        assert re.search("[a-z]{3}", text), f"{action.option_strings}: {action.help!r}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--alpha", "-1"], "alpha, the Zipf exponent, must be a number >= 0"),
+        (["--alpha", "nan", "--workload", "zipf-objects"], "must be a number >= 0"),
+        (["--store-threshold", "-1"], "store_threshold must be >= 0"),
+        (["--store-failure-prob", "1.5"], "store_failure_prob"),
+    ],
+)
+def test_sim_refuses_values_the_generator_or_manager_refuse(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    assert main(["sim", *argv, "--requests", "20", "--out", str(tmp_path), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert says in captured.err
+    assert captured.out == ""  # refused before the run began
+    assert not list(tmp_path.iterdir())

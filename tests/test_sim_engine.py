@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvoffload import InvalidArgumentError
 from kvoffload.sim import (
     GeneratorConfig,
+    ObjectTrace,
     SimConfig,
     SimResult,
     format_comparison,
@@ -98,6 +103,66 @@ def test_plugin_policy_runs_on_the_reference_manager() -> None:
     res = simulate(reqs, cfg)
     assert res.hit_chunks > 0
     assert res.policy == "LibCacheSimArc"
+
+
+@pytest.mark.parametrize("impl", ["rust", "reference"])
+def test_a_plugin_with_only_vllms_methods_runs_with_invariant_checks(impl: str) -> None:
+    reqs = generate_workload("zipf", GeneratorConfig(requests=60))
+    cfg = SimConfig(
+        num_chunks=300,
+        policy="OldestFirst",
+        impl=impl,
+        cache_policy_module_path="_helpers",
+        check_invariants=True,
+    )
+    res, manager = _run(reqs, **dataclasses.asdict(cfg))
+    assert res.evicted_chunks > 0
+    _assert_settled(manager)
+
+
+def test_config_refuses_bad_names_and_values() -> None:
+    for bad in (
+        SimConfig(impl="Rust"),
+        SimConfig(impl="kvoffload:Nope"),
+        SimConfig(policy="MRUPolicy", cache_policy_module_path="kvoffload_test_nope"),
+        SimConfig(store_threshold=-1),
+        SimConfig(shadow_policies="arc"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(InvalidArgumentError):
+            bad.validate()
+    with pytest.raises(InvalidArgumentError, match="not a str"):
+        SimConfig(shadow_policies="arc").validate()  # type: ignore[arg-type]
+    SimConfig(store_threshold=0).validate()  # the manager takes 0, as vLLM does
+
+
+def test_a_workload_that_looks_nothing_up_is_refused() -> None:
+    empty_prompts = [SimRequest("r", 0.0, ((),), output_tokens=64)]
+    for workload in ([], ObjectTrace.from_ids([]), empty_prompts):
+        with pytest.raises(InvalidArgumentError, match="undefined"):
+            simulate(workload, num_chunks=8)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match="undefined"):
+            miss_ratio_curve(workload, [8, 16], jobs=2)  # type: ignore[arg-type]
+
+
+UNGUARDED_SCRIPT = """
+from kvoffload.sim import GeneratorConfig, generate_workload, miss_ratio_curve
+
+requests = generate_workload("agent", GeneratorConfig(requests=50, seed=1))
+print(miss_ratio_curve(requests, [64, 128], ("lru", "arc"), jobs=2))
+"""
+
+
+def test_a_script_without_the_main_guard_fails_instead_of_hanging(tmp_path: Path) -> None:
+    # Each spawned worker re-runs the script and dies as it starts the curve again: the curve
+    # must raise, not wait for ever on a worker that will never read what it was sent.
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode != 0
+    assert "BrokenProcessPool" in run.stderr
+    assert 'under `if __name__ == "__main__":`' in run.stderr
 
 
 def test_miss_ratio_curve_is_sane() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvoffload import TraceFormatError
+from kvoffload import InvalidArgumentError, TraceFormatError
 from kvoffload.sim import (
     GENERATORS,
     GeneratorConfig,
@@ -21,8 +21,9 @@ from kvoffload.sim import (
     read_object_trace,
     write_jsonl,
     write_object_trace,
+    zipf_object_trace,
 )
-from kvoffload.sim.traces import CsvColumns, detect_format
+from kvoffload.sim.traces import MAX_OUTPUT_TOKENS, CsvColumns, detect_format
 from kvoffload.types import get_offload_group_idx
 
 
@@ -81,6 +82,22 @@ def test_unknown_generator_is_an_error() -> None:
         generate_workload("nope")
 
 
+@pytest.mark.parametrize("alpha", [-1.0, -0.01, float("nan"), float("inf")])
+def test_zipf_exponent_must_be_a_number_at_least_zero(alpha: float) -> None:
+    for name in GENERATORS:
+        with pytest.raises(InvalidArgumentError, match="Zipf exponent"):
+            generate_workload(name, GeneratorConfig(requests=5, alpha=alpha))
+    with pytest.raises(InvalidArgumentError, match="Zipf exponent"):
+        zipf_object_trace(5, 5, alpha)
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_a_huge_zipf_exponent_puts_everything_on_rank_one(name: str) -> None:
+    # rank**alpha beyond a float is a weight of 0, not an OverflowError.
+    assert len(generate_workload(name, GeneratorConfig(requests=20, alpha=500.0))) == 20
+    assert set(zipf_object_trace(50, 10, 500.0).obj_ids.tolist()) == {1}
+
+
 # -- JSONL -------------------------------------------------------------------------------------
 
 
@@ -121,6 +138,10 @@ def test_jsonl_minimal_record(tmp_path: Path) -> None:
             '{"req_id": "r", "arrival": 0, "block_hashes": [["00"]], "output_tokens": 1.5}',
             "output_tokens must be",
         ),
+        (
+            '{"req_id": "r", "arrival": 0, "block_hashes": [["00"]], "output_tokens": 1000000000}',
+            "output_tokens must be an int from 0 to 16,777,216",
+        ),
     ],
 )
 def test_jsonl_malformed(tmp_path: Path, line: str, message: str) -> None:
@@ -129,6 +150,33 @@ def test_jsonl_malformed(tmp_path: Path, line: str, message: str) -> None:
     with pytest.raises(TraceFormatError, match=message) as info:
         read_jsonl(path)
     assert f"{path}:2" in str(info.value)
+
+
+def test_jsonl_output_tokens_bound(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    line = '{"req_id": "%s", "arrival": 0, "block_hashes": [["00"]], "output_tokens": %d}\n'
+    path.write_text(line % ("a", MAX_OUTPUT_TOKENS))
+    assert read_jsonl(path)[0].output_tokens == 2**24
+    path.write_text(line % ("a", 0) + line % ("b", MAX_OUTPUT_TOKENS + 1))
+    with pytest.raises(TraceFormatError, match=r"t.jsonl:2: output_tokens"):
+        read_jsonl(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "where"),
+    [
+        ("t.jsonl", b'{"req_id": "ok", "arrival": 0, "block_hashes": [["00"]]}\n\xff\n', ":2:"),
+        ("t.jsonl", b'{"req_id": "caf\xc3", "arrival": 0, "block_hashes": [["00"]]}\n', ":1:"),
+        ("t.txt", b"1\n2\n3\xe9\n", ":3:"),
+        ("t.csv", b"1,2,3\r\n1,\x80,3\r\n", ":2:"),
+    ],
+)
+def test_text_trace_that_is_not_utf8(tmp_path: Path, name: str, content: bytes, where: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(TraceFormatError, match="not UTF-8") as info:
+        load_workload(path)
+    assert str(info.value).startswith(f"{path}{where} not UTF-8 text (byte 0x")
 
 
 def test_jsonl_duplicate_ids(tmp_path: Path) -> None:

@@ -373,8 +373,10 @@ class _ShadowedManager(CPUOffloadingManager):
             pending_write_timeout,
             clock,
         )
+        # A str reaches ShadowSet whole, which refuses it (a list of it would be its letters).
+        names = shadow_policies if isinstance(shadow_policies, str) else list(shadow_policies or ())
         self._shadows = ShadowSet(
-            cache_policy, list(shadow_policies or ()), num_chunks, store_threshold, max_tracker_size
+            cache_policy, names, num_chunks, store_threshold, max_tracker_size
         )
 
     def lookup(self, key: bytes, req_context: Any) -> LookupResult:

@@ -93,7 +93,11 @@ class ShadowSet:
         store_threshold: int,
         max_tracker_size: int,
     ) -> None:
-        if isinstance(policies, str) or not all(isinstance(p, str) for p in policies):
+        if isinstance(policies, str):
+            raise InvalidArgumentError(
+                f"shadow_policies must be a list of policy names, such as [{policies!r}], not a str"
+            )
+        if not all(isinstance(p, str) for p in policies):
             raise InvalidArgumentError("shadow_policies must be a list of policy names")
         self.shadows = [_Shadow(p, num_chunks, store_threshold, max_tracker_size) for p in policies]
         self.live_total = HitCounts(live_policy, "live")

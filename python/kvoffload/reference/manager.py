@@ -1,8 +1,11 @@
 """The scheduler-side CPU offloading manager of vLLM 0.33.0, in plain Python.
 
 State: a `ChunkPool` of host slots, the cache policy (which holds every resident key with its
-`ChunkStatus`), counters of pending and ready chunks, the optional `AdmissionTracker`, the event
-queue, stats since the last report, and per-request state kept on each request context.
+`ChunkStatus`), the manager's own index of the same statuses (vLLM has none; it serves only
+``resident()``, ``check_invariants()`` and the checks of the policy's ``evict`` answers, so that
+these work for any policy with vLLM's method set), counters of pending and ready chunks, the
+optional `AdmissionTracker`, the event queue, stats since the last report, and per-request state
+kept on each request context.
 
 Every public call validates its whole input before it changes anything, so an illegal call raises
 a `kvoffload.errors` exception and leaves the manager (and the request context) as it was.
@@ -14,6 +17,7 @@ with every policy, ``on_request_finished`` checks the position of every key the 
 from __future__ import annotations
 
 import dataclasses
+import operator
 import threading
 import time
 from collections import Counter
@@ -42,6 +46,7 @@ from kvoffload.errors import (
     InvalidArgumentError,
     InvalidKeyError,
     KeyStateError,
+    PolicyError,
     RequestFinishedError,
 )
 from kvoffload.reference.admission import AdmissionTracker
@@ -177,7 +182,10 @@ class CPUOffloadingManager:
     with ``pending_write_timeout`` set (seconds; None, the default, is vLLM's behaviour), a write
     older than that expires as ``complete_store(keys, success=False)`` would, at the start of each
     ``prepare_store`` and on ``expire_pending_writes()``. ``clock`` (default ``time.monotonic``)
-    gives the time, in seconds (see ``kvoffload._liveness``).
+    gives the time, in seconds (see ``kvoffload._liveness``). As in the Rust manager, an
+    ``evict`` answer that breaks the contract raises `kvoffload.errors.PolicyError`; then, as
+    when ``evict`` (or ``on_store_miss`` or ``on_request_access`` before it) raises, nothing was
+    evicted and the offer is neither counted nor recorded.
     """
 
     medium = Medium.CPU
@@ -213,6 +221,8 @@ class CPUOffloadingManager:
             assert isinstance(resolved, type)
             self._policy = resolved(cache_capacity=num_chunks)
         self._pool = ChunkPool(num_chunks)
+        # Every resident key's status, the very object the policy was given with it.
+        self._statuses: dict[bytes, ChunkStatus] = {}
         self._num_pending = 0  # chunks with ref_cnt -1
         self._num_evictable = 0  # chunks with ref_cnt 0
         self._store_threshold = store_threshold
@@ -231,7 +241,7 @@ class CPUOffloadingManager:
         self._generation = 0  # bumped by reset_cache; older request state is stale
         self._config_info = config_info_of(info)
         self._lock = threading.Lock()
-        self._writes = PendingWrites(self._policy.get)
+        self._writes = PendingWrites(self._statuses.get)
 
     @property
     def lock(self) -> threading.Lock:
@@ -423,6 +433,22 @@ class CPUOffloadingManager:
         # The state first: a context whose set_state raises leaves the offer uncounted.
         state = self._recording_state(req_context)
 
+        # vLLM's steps, numbered as in its prepare_store. The policy is called in vLLM's order
+        # (4, 5, 8), but the manager's own part of steps 1 to 7 (offer counts, request state,
+        # stats) is made only once the eviction has succeeded or declined: a policy method that
+        # raises, or an evict answer that breaks the contract, leaves the offer uncounted and
+        # unrecorded, as in the Rust manager.
+        # 4: first-time store misses of this request go to the policy.
+        misses = [k for k in to_store if k not in state.store_misses_reported]
+        if misses:
+            self._policy.on_store_miss(misses, req_context)
+        # 5: the keys this request sees for the first time go to the policy.
+        new_keys = [k for k in recorded if k not in state.seen]
+        if new_keys:
+            self._policy.on_request_access(new_keys, req_context)
+        # 8: make room.
+        evicted_keys = self._make_room(len(to_store), offered) if to_store else []
+
         # 1, 3: count the offer; drop candidates below the threshold.
         if tracker is not None:
             tracker.count_offer(key_list)
@@ -436,13 +462,12 @@ class CPUOffloadingManager:
                     counted.add(key)
                     sketch.increment(sketch_hash(key))
             self._stores_skipped += len(candidates) - len(to_store)
-        # 4: first-time store misses of this request go to the policy.
-        misses = [k for k in to_store if k not in state.store_misses_reported]
-        if misses:
-            self._policy.on_store_miss(misses, req_context)
-            state.store_misses_reported.update(misses)
-        # 5: record the access (existing keys count as reused).
-        self._record(state, req_context, [(k, k in existing) for k in recorded])
+        # 4, 5: record the store misses and the access (existing keys count as reused).
+        state.store_misses_reported.update(misses)
+        for key in recorded:
+            state.seen[key] = None
+            if key in existing and key not in state.inserted:
+                state.reused.add(key)
         # 6
         if not to_store:
             return PrepareStoreOutput(
@@ -450,33 +475,15 @@ class CPUOffloadingManager:
             )
         # 7
         self._allocation_sizes.append(len(to_store))
-        # 8: make room.
-        evicted_keys: list[bytes] = []
-        shortfall = len(to_store) - self._pool.num_free
-        if shortfall > 0:
-            if shortfall > self._num_evictable:
-                return None
-            # Fewer ready, unprotected chunks than needed: no policy could evict enough.
-            protected_ready = 0
-            for key in offered:
-                status = self._policy.get(key)
-                protected_ready += status is not None and status.ref_cnt == 0
-            if shortfall > self._num_evictable - protected_ready:
-                return None
-            victims = self._policy.evict(shortfall, offered)
-            if victims is None:
-                return None
-            for key, status in victims:
-                self._pool.free(status.chunk_id)
-                evicted_keys.append(key)
-            self._num_evictable -= len(victims)
-            self._emit(removed_event(list(evicted_keys), metadata_only=False))
+        if evicted_keys is None:
+            return None
         # 9: allocate and insert as pending.
         chunk_ids = self._pool.allocate(len(to_store))
         writes = []
         for key, chunk_id in zip(to_store, chunk_ids, strict=True):
             status = ChunkStatus(chunk_id, -1)
             self._policy.insert(key, status, req_context)
+            self._statuses[key] = status
             writes.append((key, status))
             state.inserted.add(key)
         self._num_pending += len(to_store)
@@ -486,6 +493,90 @@ class CPUOffloadingManager:
             store_spec=CPULoadStoreSpec(chunk_ids),
             evicted_keys=evicted_keys,
         )
+
+    def _make_room(self, n: int, offered: set[bytes]) -> list[bytes] | None:
+        """Evict what the policy chooses so that ``n`` chunks are free; the evicted keys.
+
+        None when that many cannot be evicted. An ``evict`` answer that breaks the contract
+        raises `kvoffload.errors.PolicyError` and evicts nothing.
+        """
+        shortfall = n - self._pool.num_free
+        if shortfall <= 0:
+            return []
+        if shortfall > self._num_evictable:
+            return None
+        # Fewer ready, unprotected chunks than needed: no policy could evict enough.
+        protected_ready = 0
+        for key in offered:
+            status = self._policy.get(key)
+            protected_ready += status is not None and status.ref_cnt == 0
+        if shortfall > self._num_evictable - protected_ready:
+            return None
+        answer = self._policy.evict(shortfall, offered)
+        if answer is None:
+            return None
+        victims = self._victims(shortfall, answer, offered)
+        for key, status in victims:
+            self._pool.free(status.chunk_id)
+            del self._statuses[key]
+        self._num_evictable -= len(victims)
+        evicted_keys = [key for key, _ in victims]
+        self._emit(removed_event(list(evicted_keys), metadata_only=False))
+        return evicted_keys
+
+    def _victims(
+        self, n: int, answer: object, offered: set[bytes]
+    ) -> list[tuple[bytes, ChunkStatus]]:
+        """Check the policy's answer to ``evict(n, offered)`` as the Rust manager does.
+
+        It must list exactly ``n`` distinct ``(key, status)`` pairs of resident keys, each
+        status giving the key's chunk id, none offered in this call, all with ref count 0.
+        Returns them with the manager's own statuses; raises PolicyError otherwise.
+        """
+        try:
+            items = iter(answer)  # type: ignore[call-overload]
+        except TypeError:
+            raise PolicyError(
+                "evict must return a list of (key, status) pairs or None, "
+                f"got {type(answer).__name__}"
+            ) from None
+        victims: list[tuple[bytes, ChunkStatus]] = []
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise PolicyError(
+                    f"evict must return (key, status) pairs, got {type(item).__name__}"
+                )
+            key, status = item
+            if not isinstance(key, bytes):
+                raise PolicyError(f"evict returned a key of type {type(key).__name__}")
+            try:
+                chunk_id = operator.index(status.chunk_id)
+            except (AttributeError, TypeError):
+                raise PolicyError(f"evict returned {key!r} with no int chunk_id") from None
+            held = self._statuses.get(key)
+            if held is None or held.chunk_id != chunk_id:
+                raise PolicyError(
+                    f"evict returned {key!r} with chunk {chunk_id}, which does not hold that key"
+                )
+            victims.append((key, held))
+
+        def broken(why: str) -> PolicyError:
+            return PolicyError(
+                f"the policy's evict({n}) broke its contract: {why}; nothing was evicted"
+            )
+
+        if len(victims) != n:
+            raise broken(f"it returned {len(victims)} chunks")
+        seen: set[bytes] = set()
+        for key, held in victims:
+            if key in seen:
+                raise broken(f"it returned {key!r} twice")
+            seen.add(key)
+            if key in offered:
+                raise broken(f"{key!r} is protected (offered in this call)")
+            if held.ref_cnt != 0:
+                raise broken(f"{key!r} is not evictable (ref count {held.ref_cnt})")
+        return victims
 
     def complete_store(
         self, keys: Iterable[bytes], req_context: RequestContext, success: bool = True
@@ -507,6 +598,7 @@ class CPUOffloadingManager:
             else:
                 self._policy.remove(key)
                 self._pool.free(status.chunk_id)
+                del self._statuses[key]
             self._num_pending -= 1
             done.append(key)
         if done:
@@ -591,6 +683,7 @@ class CPUOffloadingManager:
         Undrained events, tracker counts, histogram samples and the skipped count are kept.
         """
         self._policy.clear()
+        self._statuses.clear()
         self._pool.reset()
         self._writes.clear()
         self._num_pending = 0
@@ -627,7 +720,7 @@ class CPUOffloadingManager:
 
     def resident(self) -> dict[bytes, tuple[int, int]]:
         """``key -> (chunk_id, ref_cnt)`` for every resident key (ref -1: pending)."""
-        return {key: (status.chunk_id, status.ref_cnt) for key, status in self._policy.items()}
+        return {key: (status.chunk_id, status.ref_cnt) for key, status in self._statuses.items()}
 
     def tracker_state(self) -> list[tuple[bytes, int]] | None:
         """Return the tracker's ``(key, count)`` pairs, oldest first; None when it is off."""
@@ -649,7 +742,12 @@ class CPUOffloadingManager:
             ) from None
 
     def check_invariants(self) -> None:
-        """Raise `kvoffload.errors.InvariantViolation` if any internal invariant is broken."""
+        """Raise `kvoffload.errors.InvariantViolation` if any internal invariant is broken.
+
+        Any policy with vLLM's method set can be checked: its ``get`` must give every resident
+        key's status. One derived from `kvoffload.reference.CachePolicy` must also list exactly
+        the resident keys (``items``); a policy's own ``check_invariants``, if any, runs last.
+        """
         pool = self._pool
         require(
             0 <= pool.num_handed_out <= self.num_chunks,
@@ -663,7 +761,8 @@ class CPUOffloadingManager:
         )
         used: dict[int, bytes] = {}
         num_pending = num_ready = 0
-        for key, status in self._policy.items():
+        policy = self._policy
+        for key, status in self._statuses.items():
             chunk_id, ref = status.chunk_id, status.ref_cnt
             require(ref >= -1, f"key {key!r} has ref count {ref}")
             require(
@@ -675,9 +774,20 @@ class CPUOffloadingManager:
                 chunk_id not in used,
                 f"chunk {chunk_id} is held by both {used.get(chunk_id)!r} and {key!r}",
             )
+            require(
+                policy.get(key) is status,
+                f"the policy's get({key!r}) is not the status the manager gave it with the key",
+            )
             used[chunk_id] = key
             num_pending += ref == -1
             num_ready += ref == 0
+        if isinstance(policy, CachePolicy):
+            # kvoffload's policies also list what they hold (``items``, not vLLM's interface).
+            listed = dict(policy.items())
+            require(
+                listed.keys() == self._statuses.keys(),
+                f"the policy holds {len(listed)} keys, the manager {len(self._statuses)}",
+            )
         require(
             len(used) + len(free) == pool.num_handed_out,
             f"{pool.num_handed_out} ids handed out but {len(used)} used + {len(free)} free",

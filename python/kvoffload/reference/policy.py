@@ -4,9 +4,11 @@ A policy owns the table of resident keys: it maps each key to the `ChunkStatus` 
 created for it and decides the eviction order. The manager owns the status *values* (it sets
 ``ref_cnt``) and tells the policy about every change that matters for eviction. Out-of-tree
 policies (``cache_policy`` + ``cache_policy_module_path``) are built as
-``cls(cache_capacity=num_chunks)`` and must provide the same methods as `CachePolicy`; deriving
-from it gives the documented defaults. ``items()`` is kvoffload's addition to vLLM's method set:
-the manager's ``resident()`` and ``check_invariants()`` enumerate residents through it.
+``cls(cache_capacity=num_chunks)`` and must provide vLLM's method set
+(`kvoffload.policies.CachePolicy`); deriving from `CachePolicy` here gives the documented
+defaults. ``items()`` is kvoffload's addition to that method set: the manager's
+``check_invariants()`` compares what a policy derived from `CachePolicy` lists with its own index
+of the resident keys (a policy without ``items`` is checked through ``get`` alone).
 """
 
 from __future__ import annotations
@@ -75,9 +77,9 @@ class CachePolicy(BaseCachePolicy):
     """`kvoffload.policies.CachePolicy` plus what the reference manager's introspection needs.
 
     The reference manager drives any policy with vLLM's method set; ``items()`` (listing the
-    resident keys) serves only its ``resident()`` and ``check_invariants()``, and
-    ``check_invariants()`` lets a policy verify its own structures. kvoffload's own policies
-    implement both.
+    resident keys) serves only its ``check_invariants()``, which compares the list with the
+    manager's own index, and ``check_invariants()`` lets a policy verify its own structures.
+    kvoffload's own policies implement both.
     """
 
     @abstractmethod

@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import pickle
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Union
 
@@ -15,7 +18,7 @@ from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
 
 from kvoffload.errors import InvalidArgumentError
 from kvoffload.sim.classic import run_classic
-from kvoffload.sim.engine import SimConfig, run_serving
+from kvoffload.sim.engine import SimConfig, require_lookups, run_serving
 from kvoffload.sim.generators import GENERATORS, GeneratorConfig, generate_workload
 from kvoffload.sim.model import DEFAULT_BLOCK_TOKENS, SimRequest
 from kvoffload.sim.results import SimResult
@@ -96,9 +99,10 @@ def simulate(
 _WORKER_WORKLOAD: Workload | None = None
 
 
-def _init_worker(workload: Workload) -> None:
+def _init_worker(workload_file: str) -> None:
     global _WORKER_WORKLOAD  # one workload per worker process
-    _WORKER_WORKLOAD = workload
+    with open(workload_file, "rb") as f:
+        _WORKER_WORKLOAD = pickle.load(f)
 
 
 def _children_can_start() -> bool:
@@ -126,16 +130,21 @@ def miss_ratio_curve(
     """Simulate every policy at every size, in ``jobs`` processes (default: CPUs, at most 4).
 
     Results come back ordered by policy, then size. ``jobs=1`` runs in this process, and so does
-    a program read from stdin (spawned worker processes could not re-import it).
+    a program read from stdin (spawned worker processes could not re-import it). Worker processes
+    re-run the main script as they start, so a script must call this under
+    ``if __name__ == "__main__":``; a worker that dies raises BrokenProcessPool.
     """
     base = config or SimConfig()
-    base.validate()  # a bad configuration fails here, before any worker starts
     sizes = sorted(set(sizes))
     tasks = [dataclasses.replace(base, policy=p, num_chunks=s) for p in policies for s in sizes]
     if not tasks:
         raise InvalidArgumentError("a miss-ratio curve needs at least one policy and one size")
     if any(s < 0 for s in sizes):
         raise InvalidArgumentError("cache sizes must be >= 0")
+    # A bad configuration or workload fails here, before any worker starts.
+    for policy in dict.fromkeys(policies):
+        dataclasses.replace(base, policy=policy).validate()
+    require_lookups(workload)
     jobs = jobs or min(4, os.cpu_count() or 1, len(tasks))
     if not _children_can_start():
         jobs = 1
@@ -149,11 +158,36 @@ def miss_ratio_curve(
                     on_result(results[i])
         else:
             ctx = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(jobs, ctx, _init_worker, (workload,)) as pool:
-                futures = {pool.submit(_run_in_worker, cfg, name): i for i, cfg in enumerate(tasks)}
-                for fut in as_completed(futures):
-                    results[futures[fut]] = fut.result()
-                    bar.update(1)
-                    if on_result is not None:
-                        on_result(results[futures[fut]])
+            # The workload reaches the workers through a file, not in the pickle each worker is
+            # started with: that pickle is written into a pipe the worker reads as it starts,
+            # and a worker that dies before reading it all (a script without the __main__
+            # guard) would block this process for ever.
+            with tempfile.TemporaryDirectory(prefix="kvoffload-sim-") as tmp:
+                workload_file = os.path.join(tmp, "workload.pickle")
+                with open(workload_file, "wb") as f:
+                    pickle.dump(workload, f, protocol=pickle.HIGHEST_PROTOCOL)
+                try:
+                    with ProcessPoolExecutor(jobs, ctx, _init_worker, (workload_file,)) as pool:
+                        futures = {
+                            pool.submit(_run_in_worker, cfg, name): i for i, cfg in enumerate(tasks)
+                        }
+                        for fut in as_completed(futures):
+                            results[futures[fut]] = fut.result()
+                            bar.update(1)
+                            if on_result is not None:
+                                on_result(results[futures[fut]])
+                except BrokenProcessPool as e:
+                    raise BrokenProcessPool(_worker_died(len(results))) from e
     return [results[i] for i in range(len(tasks))]
+
+
+def _worker_died(done: int) -> str:
+    """What to say when a worker process died, ``done`` results in."""
+    if done:
+        return f"a worker process died after {done} run(s) of the miss-ratio curve"
+    return (
+        "a worker process died before any run of the miss-ratio curve finished; its error is "
+        "above. Worker processes re-run the main script as they start: a script that calls "
+        'miss_ratio_curve (jobs > 1) must do so under `if __name__ == "__main__":`, or pass '
+        "jobs=1"
+    )

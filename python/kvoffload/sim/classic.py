@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvoffload.sim.engine import SimConfig, make_manager, shadow_hit_rates
+from kvoffload.sim.engine import SimConfig, make_manager, require_lookups, shadow_hit_rates
 from kvoffload.sim.results import SimResult
 from kvoffload.sim.traces import ObjectTrace
 from kvoffload.types import LookupResult, ReqContext, make_offload_key
@@ -45,6 +45,7 @@ def run_classic(
     cfg.validate()
     if not isinstance(trace, ObjectTrace):
         trace = ObjectTrace.from_ids(np.asarray(trace, dtype=np.uint64))
+    require_lookups(trace)
     ids: list[int] = trace.obj_ids.tolist()
     if manager is None:
         manager = make_manager(cfg)

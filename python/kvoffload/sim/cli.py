@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from kvoffload._common import BUILTIN_POLICIES
 from kvoffload.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.sim import libcachesim_ref
 from kvoffload.sim.api import load_workload, miss_ratio_curve, working_set
-from kvoffload.sim.engine import SimConfig
+from kvoffload.sim.engine import SimConfig, require_lookups
 from kvoffload.sim.generators import GENERATORS, GeneratorConfig
 from kvoffload.sim.results import SimResult, format_comparison, format_curve, write_csv, write_json
 from kvoffload.sim.traces import CsvColumns, ObjectTrace
@@ -63,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--impl", default=sim.impl, help="rust, reference or module:Class (rust)")
     add(
         "--cache-policy-module-path",
-        help="module of an out-of-tree policy class (vLLM's CachePolicy interface)",
+        help="module of an out-of-tree policy class (vLLM's CachePolicy interface); imported "
+        "from the current folder too, as with python -m",
     )
     add("--sizes", type=_csv_ints, help="cache sizes in chunks (default: fractions of the WSS)")
     add("--chunks", type=int, help="size of the side-by-side table (default: a middle size)")
@@ -71,29 +73,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=gen.seed, help="generator seed (%(default)s)")
     add("--kv-groups", type=int, default=gen.kv_groups, help="KV groups (%(default)s)")
     add("--rate", type=float, default=gen.rate, help="arrivals per second (%(default)s)")
-    add("--alpha", type=float, default=gen.alpha, help="Zipf exponent (%(default)s)")
+    add("--alpha", type=float, default=gen.alpha, help="Zipf exponent, >= 0 (%(default)s)")
     add("--max-running", type=int, default=sim.max_running, help="requests in flight (%(default)s)")
-    add("--store-threshold", type=int, default=sim.store_threshold, help="(%(default)s)")
-    add("--store-failure-prob", type=float, default=sim.store_failure_prob, help="(%(default)s)")
+    add(
+        "--store-threshold",
+        type=int,
+        default=sim.store_threshold,
+        help="admission: a key is stored at its Nth offer; 0 and 1 store at the first "
+        "(%(default)s)",
+    )
+    add(
+        "--store-failure-prob",
+        type=float,
+        default=sim.store_failure_prob,
+        help="probability that a store's transfer fails, 0 to 1 (%(default)s)",
+    )
     add("--chunk-bytes", type=int, default=sim.chunk_bytes, help="bytes per chunk (%(default)s)")
     add(
-        "--bandwidth", type=float, default=sim.transfer_bytes_per_s / 1e9, help="GB/s (%(default)s)"
+        "--bandwidth",
+        type=float,
+        default=sim.transfer_bytes_per_s / 1e9,
+        help="transfer bandwidth between the tiers, GB/s (%(default)s)",
     )
     add(
         "--prefill-rate",
         type=float,
         default=sim.prefill_tokens_per_s,
-        help="tokens/s (%(default)s)",
+        help="prefill speed, tokens/s (%(default)s)",
     )
     add(
         "--decode-rate",
         type=float,
         default=sim.decode_tokens_per_s,
-        help="tokens/s per request (%(default)s)",
+        help="decode speed, tokens/s per request (%(default)s)",
     )
     add("--csv-columns", default="1,2,3", help="CSV time,obj_id,size columns, 1-based, 0=absent")
     add("--csv-header", action="store_true", help="the CSV trace has a header line")
-    add("--libcachesim", action="store_true", help="classic mode: also run libCacheSim")
+    add(
+        "--libcachesim",
+        action="store_true",
+        help="classic mode: also run libCacheSim (lru, arc, arc-paper, LibCacheSimArc)",
+    )
     add("--jobs", type=int, help="parallel processes (default: CPUs, at most 4)")
     add("--out", type=Path, default=Path("kvoffload-sim"), help="output folder (%(default)s)")
     add("--no-plot", action="store_true", help="do not write the plot")
@@ -109,12 +129,21 @@ def _csv_columns(args: argparse.Namespace) -> CsvColumns:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``kvoffload sim``; return the exit status."""
+    """Run ``kvoffload sim``; return the exit status.
+
+    Modules named by ``--cache-policy-module-path`` or ``--impl module:Class`` are imported from
+    the current folder too, as ``python -m`` would (the folder goes first on ``sys.path`` for
+    the run; the worker processes inherit it).
+    """
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)
     try:
         return _run(args)
     except (KVOffloadError, OSError) as e:
         print(f"kvoffload sim: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        sys.path.remove(cwd)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -122,6 +151,7 @@ def _run(args: argparse.Namespace) -> int:
     workload = load_workload(
         args.workload, fmt=args.format, generator=gen, csv_columns=_csv_columns(args)
     )
+    require_lookups(workload)
     name = Path(args.workload).name
     classic = isinstance(workload, ObjectTrace)
     wss = working_set(workload)
@@ -142,6 +172,8 @@ def _run(args: argparse.Namespace) -> int:
         prefill_tokens_per_s=args.prefill_rate,
         decode_tokens_per_s=args.decode_rate,
     )
+    for policy in policies:  # a bad name or value fails here, before the header is printed
+        dataclasses.replace(config, policy=policy).validate()
     mode = "classic (one object per request)" if classic else "serving"
     unit = "objects" if classic else "chunks"
     print(
@@ -167,6 +199,11 @@ def _run(args: argparse.Namespace) -> int:
     lcs_runs = []
     if args.libcachesim and isinstance(workload, ObjectTrace):
         lcs_runs = _libcachesim(workload, sizes, policies)
+    elif args.libcachesim:
+        print(
+            "\nnote: --libcachesim compares classic mode only (an object trace: txt, csv, "
+            f"oracleGeneral or zipf-objects); {name} ran in serving mode, so nothing was compared"
+        )
     if lcs_runs:
         print("\n" + _format_libcachesim(lcs_runs, results))
     print("\n" + speed)
@@ -224,8 +261,14 @@ def _speed_lines(results: list[SimResult]) -> str:
 def _libcachesim(
     workload: ObjectTrace, sizes: list[int], policies: list[str]
 ) -> list[libcachesim_ref.LibCacheSimRun]:
+    known = [p for p in policies if p in libcachesim_ref.LIBCACHESIM_POLICIES]
+    unknown = [p for p in policies if p not in known]
+    if unknown:
+        print(
+            f"\nnote: libCacheSim is not compared for {', '.join(unknown)}: it has a counterpart "
+            f"only for {', '.join(libcachesim_ref.LIBCACHESIM_POLICIES)}"
+        )
     if not libcachesim_ref.available():
         print("libcachesim is not installed (pip install libcachesim); skipping the comparison")
         return []
-    known = [p for p in policies if p in libcachesim_ref.LIBCACHESIM_POLICIES]
-    return libcachesim_ref.run_libcachesim(workload, sizes, known)
+    return libcachesim_ref.run_libcachesim(workload, sizes, known) if known else []

@@ -32,13 +32,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.errors import InvalidArgumentError
+from kvoffload._common import resolve_policy
+from kvoffload.errors import InvalidArgumentError, UnsupportedPolicyError
 from kvoffload.sim.model import DEFAULT_BLOCK_TOKENS, RequestKeys, SimRequest
 from kvoffload.sim.results import SIM_CALL_KINDS, SimResult
+from kvoffload.sim.traces import ObjectTrace
 from kvoffload.types import LookupResult, ReqContext
 from kvoffload.workload import KindStats, timer_overhead_ns
 
-__all__ = ["SimConfig", "make_manager", "run_serving"]
+__all__ = ["SimConfig", "make_manager", "manager_class", "require_lookups", "run_serving"]
+
+#: The manager calls both modes make (serving mode also makes ``lookup_prefix``, the loads and
+#: ``get_stats``); an ``impl`` class without them is refused up front.
+MANAGER_CALLS: tuple[str, ...] = (
+    "on_new_request",
+    "lookup",
+    "touch",
+    "prepare_store",
+    "complete_store",
+    "on_request_finished",
+)
 
 
 @dataclass(frozen=True)
@@ -68,31 +81,96 @@ class SimConfig:
     shadow_policies: tuple[str, ...] = ()
 
     def validate(self) -> None:
-        """Raise InvalidArgumentError on a value the model cannot run with."""
+        """Raise InvalidArgumentError on a value the model cannot run with.
+
+        The manager class ``impl`` names is imported, and with kvoffload's managers the policy
+        is resolved (its module imported), so that a bad name fails here, not in a worker.
+        """
         if self.num_chunks < 0 or self.max_running < 1 or self.block_tokens < 1:
             raise InvalidArgumentError("num_chunks >= 0, max_running >= 1, block_tokens >= 1")
+        if self.store_threshold < 0:
+            raise InvalidArgumentError(
+                "store_threshold must be >= 0 (0 and 1 store every offer), "
+                f"got {self.store_threshold}"
+            )
         if self.store_batch_keys < 1 or not 0.0 <= self.store_failure_prob <= 1.0:
             raise InvalidArgumentError("store_batch_keys >= 1, 0 <= store_failure_prob <= 1")
         rates = (self.transfer_bytes_per_s, self.prefill_tokens_per_s, self.decode_tokens_per_s)
         if min(rates) <= 0:
             raise InvalidArgumentError("transfer, prefill and decode rates must be > 0")
-        if self.shadow_policies:
-            from kvoffload.bench import load_implementation
-            from kvoffload.manager import CPUOffloadingManager
+        if isinstance(self.shadow_policies, str):
+            raise InvalidArgumentError(
+                "shadow_policies must be a tuple of policy names, such as ('arc',), not a str"
+            )
+        from kvoffload.manager import CPUOffloadingManager
+        from kvoffload.reference import CPUOffloadingManager as ReferenceManager
 
-            cls = load_implementation(self.impl)
-            if not (isinstance(cls, type) and issubclass(cls, CPUOffloadingManager)):
-                raise InvalidArgumentError(
-                    "what-if shadows run beside kvoffload's Rust manager only (impl 'rust'), "
-                    f"not {self.impl!r}"
-                )
+        cls = manager_class(self.impl)
+        if self.shadow_policies and not issubclass(cls, CPUOffloadingManager):
+            raise InvalidArgumentError(
+                "what-if shadows run beside kvoffload's Rust manager only (impl 'rust'), "
+                f"not {self.impl!r}"
+            )
+        if issubclass(cls, CPUOffloadingManager | ReferenceManager):
+            try:
+                resolve_policy(self.policy, self.cache_policy_module_path)
+            except ImportError as e:
+                raise UnsupportedPolicyError(
+                    f"cache policy {self.policy!r}: cannot import its module ({e}); kvoffload "
+                    "sim looks for it in the current folder and on the Python path"
+                ) from None
+
+
+def manager_class(impl: str) -> type:
+    """The manager class ``impl`` names: ``rust``, ``reference`` or ``module:Class``.
+
+    Raises InvalidArgumentError when it cannot be imported or lacks a call the simulator makes.
+    """
+    from kvoffload.bench import load_implementation  # the names of ``kvoffload bench --impls``
+
+    try:
+        cls = load_implementation(impl)
+    except ImportError as e:
+        raise InvalidArgumentError(f"impl {impl!r}: cannot import it ({e})") from None
+    except ValueError as e:
+        raise InvalidArgumentError(f"{e}, or module:Class") from None
+    except (AttributeError, TypeError) as e:
+        raise InvalidArgumentError(f"impl {impl!r}: {e}") from None
+    missing = [name for name in MANAGER_CALLS if not callable(getattr(cls, name, None))]
+    if missing:
+        raise InvalidArgumentError(
+            f"impl {impl!r}: {cls.__qualname__} is not a manager class (it lacks "
+            f"{', '.join(missing)})"
+        )
+    return cls
+
+
+def require_lookups(workload: Sequence[SimRequest] | ObjectTrace) -> None:
+    """Refuse a workload that looks nothing up: its hit and miss ratios would be 0 / 0.
+
+    That is an empty trace or ``requests=0``, an object trace whose records all have size 0
+    (skipped when read), or requests whose prompts have no block.
+    """
+    if not len(workload):
+        skipped = (
+            " (oracleGeneral records of size 0 are skipped)"
+            if isinstance(workload, ObjectTrace)
+            else ""
+        )
+        raise InvalidArgumentError(
+            f"the workload has no requests{skipped}: hit and miss ratios over no lookup are "
+            "undefined"
+        )
+    if not isinstance(workload, ObjectTrace) and not any(r.prompt_blocks() for r in workload):
+        raise InvalidArgumentError(
+            "no request of the workload has a prompt block: hit and miss ratios over no lookup "
+            "are undefined"
+        )
 
 
 def make_manager(cfg: SimConfig) -> Any:
     """Build the manager ``cfg`` names (impl ``rust``, ``reference`` or ``module:Class``)."""
-    from kvoffload.bench import load_implementation  # the names of ``kvoffload bench --impls``
-
-    cls = load_implementation(cfg.impl)
+    cls = manager_class(cfg.impl)
     extra: dict[str, Any] = {}
     if cfg.shadow_policies:
         extra["shadow_policies"] = list(cfg.shadow_policies)
@@ -144,6 +222,7 @@ def run_serving(
     """
     cfg = config or SimConfig()
     cfg.validate()
+    require_lookups(requests)
     if manager is None:
         manager = make_manager(cfg)
     rng = random.Random(cfg.seed)

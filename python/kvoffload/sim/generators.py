@@ -16,6 +16,7 @@ when they share the whole prefix up to that block, as in vLLM's prefix caching.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,13 +37,27 @@ class GeneratorConfig:
     kv_groups: int = 1
     #: Mean arrival rate of new requests (chat: new conversations; agent: new sessions), per s.
     rate: float = 4.0
-    #: Zipf exponent of popularity (rag's documents, agent's tool prompts, zipf's prefixes,
-    #: zipf-objects' objects); chat keeps the ``kvoffload bench`` workload's exponent of 1.
+    #: Zipf exponent of popularity, >= 0 (rag's documents, agent's tool prompts, zipf's
+    #: prefixes, zipf-objects' objects); chat keeps the ``kvoffload bench`` workload's exponent 1.
     alpha: float = 1.0
 
 
+#: Draws of a document already chosen after which rag takes the most popular ones left. Each
+#: draw repeats one of at most 3 documents: with the default exponent of 1 the odds of 1,000
+#: repeats for one request are below 10**-540, with an exponent of 3 below 10**-5.
+_MAX_REPEATS = 1000
+
+
 def _zipf_weights(n: int, alpha: float) -> list[float]:
-    return [1.0 / (rank**alpha) for rank in range(1, n + 1)]
+    return [_zipf_weight(rank, alpha) for rank in range(1, n + 1)]
+
+
+def _zipf_weight(rank: int, alpha: float) -> float:
+    try:
+        weight: float = 1.0 / (rank**alpha)
+    except OverflowError:  # rank**alpha is beyond a float: the weight is 0 at float precision
+        weight = 0.0
+    return weight
 
 
 def _extend(hashes: list[bytes], tag: bytes, n: int) -> None:
@@ -110,10 +125,15 @@ def rag(cfg: GeneratorConfig) -> list[SimRequest]:
     for idx in range(cfg.requests):
         clock += rng.expovariate(cfg.rate)
         docs: list[int] = []
+        repeats = 0
         while len(docs) < 4:
             (doc,) = rng.choices(range(pool), weights=weights)
             if doc not in docs:
                 docs.append(doc)
+            elif (repeats := repeats + 1) == _MAX_REPEATS:
+                # A steep exponent: the documents left weigh next to nothing (the draws could go
+                # on for ages); take the most popular of them.
+                docs += [d for d in range(pool) if d not in docs][: 4 - len(docs)]
         prompt = list(system)
         for doc in docs:
             _extend(prompt, b"doc%d" % doc, doc_blocks[doc])
@@ -176,6 +196,12 @@ def zipf(cfg: GeneratorConfig) -> list[SimRequest]:
     return out
 
 
+def check_alpha(alpha: float) -> None:
+    """Refuse a Zipf exponent that is negative or not finite."""
+    if not (math.isfinite(alpha) and alpha >= 0):
+        raise InvalidArgumentError(f"alpha, the Zipf exponent, must be a number >= 0, got {alpha}")
+
+
 #: Generators by name.
 GENERATORS: dict[str, Callable[[GeneratorConfig], list[SimRequest]]] = {
     "chat": chat,
@@ -190,6 +216,7 @@ def generate_workload(name: str, cfg: GeneratorConfig | None = None) -> list[Sim
     cfg = cfg or GeneratorConfig()
     if name not in GENERATORS:
         raise InvalidArgumentError(f"unknown workload {name!r}: use one of {sorted(GENERATORS)}")
-    if cfg.requests < 0 or cfg.kv_groups < 1 or cfg.rate <= 0:
+    if cfg.requests < 0 or cfg.kv_groups < 1 or not cfg.rate > 0:
         raise InvalidArgumentError("requests must be >= 0, kv_groups >= 1 and rate > 0")
+    check_alpha(cfg.alpha)
     return GENERATORS[name](cfg)

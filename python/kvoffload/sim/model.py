@@ -48,9 +48,11 @@ class SimRequest:
     arrival: float
     #: Prompt block hashes, one tuple per KV group (group ``g`` is ``block_hashes[g]``).
     block_hashes: tuple[tuple[bytes, ...], ...]
-    #: Tokens generated after the prompt.
+    #: Tokens generated after the prompt: the decode time and, without ``output_hashes``, the
+    #: number of full output blocks.
     output_tokens: int = 0
-    #: Hashes of the full output blocks, per KV group; None derives them (`output_block_hash`).
+    #: Hashes of the full output blocks, per KV group (all stored, whatever ``output_tokens``
+    #: says); None derives them (`output_block_hash`).
     output_hashes: tuple[tuple[bytes, ...], ...] | None = None
 
     @property

@@ -2,8 +2,9 @@
 
 - **JSONL requests** (serving mode; docs/sim.md): one JSON object per line, with ``req_id``
   (string), ``arrival`` (seconds, a number >= 0), ``block_hashes`` (one list of hex strings per KV
-  group), ``output_tokens`` (int >= 0, default 0) and optionally ``output_hashes`` (like
-  ``block_hashes``). Blank lines are skipped.
+  group), ``output_tokens`` (int, 0 to `MAX_OUTPUT_TOKENS`, default 0) and optionally
+  ``output_hashes`` (like ``block_hashes``; when given, these are the output blocks stored, and
+  ``output_tokens`` only sets the decode time). Blank lines are skipped.
 - **libCacheSim object traces** (classic mode), read as (time, object id, size) arrays:
   ``txt`` (one numeric object id per line, libCacheSim's plain-text trace), ``csv`` (columns chosen
   1-based, as libCacheSim's ``time-col``/``obj-id-col``/``obj-size-col``), and ``oracleGeneral``
@@ -11,25 +12,28 @@
   next_access_vtime``, 24 bytes, as in libCacheSim's ``oracleGeneralBin.h``; not zstd-compressed;
   records of size 0 are skipped, as libCacheSim's reader skips them).
 
-Malformed input raises `kvoffload.TraceFormatError` naming the file and line (or record).
+Text files must be UTF-8. Malformed input raises `kvoffload.TraceFormatError` naming the file and
+line (or record).
 """
 
 from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvoffload.errors import InvalidArgumentError, TraceFormatError
+from kvoffload.sim.generators import check_alpha
 from kvoffload.sim.model import SimRequest
 
 __all__ = [
+    "MAX_OUTPUT_TOKENS",
     "OBJECT_FORMATS",
     "ORACLE_GENERAL_DTYPE",
     "CsvColumns",
@@ -47,6 +51,9 @@ ORACLE_GENERAL_DTYPE = np.dtype(
     [("time", "<u4"), ("obj_id", "<u8"), ("size", "<u4"), ("next_access_vtime", "<i8")]
 )
 OBJECT_FORMATS = ("txt", "csv", "oracleGeneral")
+#: The most ``output_tokens`` a JSONL request may have (2**24, beyond any model's context): the
+#: simulator builds a key per output block, so a bigger count only exhausts memory.
+MAX_OUTPUT_TOKENS = 2**24
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
@@ -80,8 +87,10 @@ def zipf_object_trace(
     """A seeded object trace: ids 1..objects drawn with probability proportional to rank^-alpha."""
     if requests < 0 or objects < 1:
         raise InvalidArgumentError("a Zipf trace needs requests >= 0 and objects >= 1")
+    check_alpha(alpha)
     rng = np.random.default_rng(seed)
-    weights = 1.0 / np.arange(1, objects + 1, dtype=np.float64) ** alpha
+    with np.errstate(over="ignore"):  # rank^alpha beyond a float: weight 0, as it nearly is
+        weights = 1.0 / np.arange(1, objects + 1, dtype=np.float64) ** alpha
     ids = rng.choice(objects, size=requests, p=weights / weights.sum()) + 1
     return ObjectTrace.from_ids(ids)
 
@@ -116,6 +125,23 @@ def detect_format(path: str | Path) -> str:
     )
 
 
+def _utf8_lines(f: IO[str], path: str | Path) -> Iterator[tuple[int, str]]:
+    """The lines of ``f`` (opened with ``errors="surrogateescape"``), numbered from 1.
+
+    A line that is not UTF-8 raises TraceFormatError naming it (an undecodable byte reads as a
+    lone surrogate, which the strict encoding refuses).
+    """
+    for lineno, line in enumerate(f, 1):
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError as e:
+            byte = ord(line[e.start]) - 0xDC00
+            raise TraceFormatError(
+                f"{path}:{lineno}: not UTF-8 text (byte 0x{byte:02x} at column {e.start + 1})"
+            ) from None
+        yield lineno, line
+
+
 # -- JSONL request traces ----------------------------------------------------------------------
 
 
@@ -143,8 +169,15 @@ def _parse_request(obj: Any, where: str) -> SimRequest:
         raise TraceFormatError(f"{where}: req_id must be a string")
     if isinstance(arrival, bool) or not isinstance(arrival, int | float) or not arrival >= 0:
         raise TraceFormatError(f"{where}: arrival must be a number >= 0, got {arrival!r}")
-    if isinstance(output_tokens, bool) or not isinstance(output_tokens, int) or output_tokens < 0:
-        raise TraceFormatError(f"{where}: output_tokens must be an int >= 0")
+    if (
+        isinstance(output_tokens, bool)
+        or not isinstance(output_tokens, int)
+        or not 0 <= output_tokens <= MAX_OUTPUT_TOKENS
+    ):
+        raise TraceFormatError(
+            f"{where}: output_tokens must be an int from 0 to {MAX_OUTPUT_TOKENS:,} (2**24), "
+            f"got {output_tokens!r}"
+        )
     blocks = _hashes(obj["block_hashes"], where, "block_hashes")
     if not blocks:
         raise TraceFormatError(f"{where}: block_hashes needs at least one KV group")
@@ -159,8 +192,8 @@ def read_jsonl(path: str | Path) -> list[SimRequest]:
     """Read a JSONL request trace, sorted by arrival (stable); request ids must be unique."""
     requests: list[SimRequest] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        for lineno, line in _utf8_lines(f, path):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
@@ -209,8 +242,8 @@ def _uint(text: str, where: str, what: str) -> int:
 
 def _read_txt(path: Path) -> ObjectTrace:
     ids: list[int] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        for lineno, line in _utf8_lines(f, path):
             if line.strip():
                 ids.append(_uint(line, f"{path}:{lineno}", "object id"))
     return ObjectTrace.from_ids(ids)
@@ -220,8 +253,9 @@ def _read_csv(path: Path, cols: CsvColumns) -> ObjectTrace:
     times: list[int] = []
     ids: list[int] = []
     sizes: list[int] = []
-    with open(path, encoding="utf-8", newline="") as f:
-        for lineno, row in enumerate(csv.reader(f, delimiter=cols.delimiter), 1):
+    with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+        lines = (line for _, line in _utf8_lines(f, path))
+        for lineno, row in enumerate(csv.reader(lines, delimiter=cols.delimiter), 1):
             if (lineno == 1 and cols.has_header) or not row:
                 continue
             where = f"{path}:{lineno}"
