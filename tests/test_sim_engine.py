@@ -209,3 +209,25 @@ def test_shadows_report_their_hit_rates_beside_the_live_policy() -> None:
     # Classic mode completes every store at once, as a shadow does: the lru shadow is exact.
     assert live.shadow_hit_rates["lru"] == pytest.approx(live.hit_chunks / live.requests)
     assert "shadow_arc_hit_rate" in live.csv_row()
+
+
+@pytest.mark.parametrize("impl", ["rust", "reference"])
+def test_a_registered_name_reaches_the_worker_processes(
+    monkeypatch: pytest.MonkeyPatch, impl: str
+) -> None:
+    # A spawned worker starts with the built-in names only: it used to answer "Unknown cache
+    # policy" for a name the parent had registered.
+    from kvoffload.policies import CachePolicyFactory
+
+    monkeypatch.setattr(CachePolicyFactory, "_registry", dict(CachePolicyFactory._registry))
+    monkeypatch.setattr(CachePolicyFactory, "_sources", dict(CachePolicyFactory._sources))
+    CachePolicyFactory.register_cache_policy("oldest-first-test", "_helpers", "OldestFirst")
+    reqs = generate_workload("zipf", GeneratorConfig(requests=60))
+    policies = ["oldest-first-test", "lru"]
+    cfg = SimConfig(impl=impl)
+    spawned = miss_ratio_curve(reqs, [100, 300], policies, cfg, jobs=2)
+    here = miss_ratio_curve(reqs, [100, 300], policies, cfg, jobs=1)
+    assert [(r.policy, r.num_chunks, r.hit_chunks) for r in spawned] == [
+        (r.policy, r.num_chunks, r.hit_chunks) for r in here
+    ]
+    assert [r.policy for r in spawned] == ["oldest-first-test"] * 2 + ["lru"] * 2

@@ -189,6 +189,8 @@ class CachePolicyFactory:
     """
 
     _registry: ClassVar[dict[str, Callable[[], type]]] = {}
+    #: Each registered name's ``(module_path, class_name)``, for `registrations`.
+    _sources: ClassVar[dict[str, tuple[str, str]]] = {}
     # Makes a registration's check and its entry one step: of two threads registering one name
     # at once, exactly one succeeds (the other is told it is registered), with or without a GIL.
     _registering: ClassVar[threading.Lock] = threading.Lock()
@@ -214,6 +216,24 @@ class CachePolicyFactory:
                 ) from None
 
         cls._registry[name] = load
+        cls._sources[name] = (module_path, class_name)
+
+    @classmethod
+    def registrations(cls) -> dict[str, tuple[str, str]]:
+        """Every registered name's ``(module_path, class_name)``, for another process to use.
+
+        `kvoffload.sim`'s worker processes register the names their parent registered.
+        """
+        with cls._registering:
+            return dict(cls._sources)
+
+    @classmethod
+    def register_missing(cls, registrations: dict[str, tuple[str, str]]) -> None:
+        """Register each of ``registrations`` (see `registrations`) not registered here yet."""
+        with cls._registering:
+            for name, (module_path, class_name) in registrations.items():
+                if name not in cls._registry:
+                    cls._register(name, module_path, class_name)
 
     @classmethod
     def get_cache_policy_cls(cls, name: str, module_path: str | None = None) -> type:

@@ -17,6 +17,7 @@ from typing import Any, Union
 from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
 
 from kvoffload.errors import InvalidArgumentError
+from kvoffload.policies import CachePolicyFactory
 from kvoffload.sim.classic import run_classic
 from kvoffload.sim.engine import SimConfig, require_lookups, run_serving
 from kvoffload.sim.generators import GENERATORS, GeneratorConfig, generate_workload
@@ -99,10 +100,12 @@ def simulate(
 _WORKER_WORKLOAD: Workload | None = None
 
 
-def _init_worker(workload_file: str) -> None:
+def _init_worker(workload_file: str, policies: dict[str, tuple[str, str]]) -> None:
     global _WORKER_WORKLOAD  # one workload per worker process
     with open(workload_file, "rb") as f:
         _WORKER_WORKLOAD = pickle.load(f)
+    # The names registered in the parent (a spawned worker starts with the built-in ones only).
+    CachePolicyFactory.register_missing(policies)
 
 
 def _children_can_start() -> bool:
@@ -167,7 +170,9 @@ def miss_ratio_curve(
                 with open(workload_file, "wb") as f:
                     pickle.dump(workload, f, protocol=pickle.HIGHEST_PROTOCOL)
                 try:
-                    with ProcessPoolExecutor(jobs, ctx, _init_worker, (workload_file,)) as pool:
+                    registered = CachePolicyFactory.registrations()
+                    init = (workload_file, registered)
+                    with ProcessPoolExecutor(jobs, ctx, _init_worker, init) as pool:
                         futures = {
                             pool.submit(_run_in_worker, cfg, name): i for i, cfg in enumerate(tasks)
                         }
