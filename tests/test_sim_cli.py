@@ -316,6 +316,9 @@ def test_sim_help_says_what_each_option_is() -> None:
         (["--alpha", "nan", "--workload", "zipf-objects"], "must be a number >= 0"),
         (["--store-threshold", "-1"], "store_threshold must be >= 0"),
         (["--store-failure-prob", "1.5"], "store_failure_prob"),
+        # Results of a name given twice shared one column of the tables and files.
+        (["--policies", "lru,arc,lru"], "--policies names lru more than once"),
+        (["--shadows", "fifo,fifo"], "--shadows names fifo more than once"),
     ],
 )
 def test_sim_refuses_values_the_generator_or_manager_refuse(

@@ -40,6 +40,15 @@ def _csv_ints(text: str) -> list[int]:
         ) from None
 
 
+def _names(option: str, text: str) -> list[str]:
+    """The comma-separated names of ``option``, none twice (results share a column by name)."""
+    names = [p for p in text.split(",") if p]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise InvalidArgumentError(f"{option} names {', '.join(repeated)} more than once")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the options of ``kvoffload sim``."""
     sim, gen = SimConfig(), GeneratorConfig()
@@ -159,12 +168,12 @@ def _run(args: argparse.Namespace) -> int:
     table_size = args.chunks if args.chunks is not None else sizes[(len(sizes) - 1) // 2]
     if table_size not in sizes:
         sizes = sorted({*sizes, table_size})
-    policies = [p for p in args.policies.split(",") if p]
+    policies = _names("--policies", args.policies)
     config = SimConfig(
         impl=args.impl,
         cache_policy_module_path=args.cache_policy_module_path,
         store_threshold=args.store_threshold,
-        shadow_policies=tuple(p for p in args.shadows.split(",") if p),
+        shadow_policies=tuple(_names("--shadows", args.shadows)),
         max_running=args.max_running,
         store_failure_prob=args.store_failure_prob,
         chunk_bytes=args.chunk_bytes,
