@@ -292,11 +292,8 @@ class CacheRegistry:
     ) -> FilledCache:
         """The filled cache of ``impl`` at this policy and size, filling it if needed."""
         cache = self._caches.get(impl)
-        if cache is None or (cache.policy, cache.num_chunks, cache.positions) != (
-            policy,
-            num_chunks,
-            positions,
-        ):
+        wanted = (policy, num_chunks, positions)
+        if cache is None or (cache.policy, cache.num_chunks, cache.positions) != wanted:
             self._caches.pop(impl, None)
             del cache  # let the old pool go before filling the new one
             cache = FilledCache(impl, policy, num_chunks, positions=positions)

@@ -188,3 +188,99 @@ class OldestFirst(PluginCachePolicy):
 
     def clear(self) -> None:
         self.chunks.clear()
+
+
+#: Two policies written for vLLM 0.33.0: they import vLLM's CachePolicy and nothing of ours.
+VLLM_POLICIES = '''
+import random
+
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
+
+
+class MRUPolicy(CachePolicy):
+    """Evicts the most recently used evictable chunk first."""
+
+    def __init__(self, cache_capacity):
+        super().__init__(cache_capacity)
+        self.chunks = {}  # least recently used first
+
+    def get(self, key):
+        return self.chunks.get(key)
+
+    def insert(self, key, chunk, req_context):
+        self.chunks[key] = chunk
+
+    def remove(self, key):
+        del self.chunks[key]
+
+    def touch(self, keys, req_context):
+        for key in keys:
+            if key in self.chunks:
+                self.chunks[key] = self.chunks.pop(key)
+
+    def evict(self, n, protected):
+        victims = []
+        for key in reversed(self.chunks):
+            chunk = self.chunks[key]
+            if chunk.is_ready and chunk.ref_cnt == 0 and key not in protected:
+                victims.append((key, chunk))
+                if len(victims) == n:
+                    break
+        if len(victims) < n:
+            return None
+        for key, _ in victims:
+            del self.chunks[key]
+        return victims
+
+    def clear(self):
+        self.chunks.clear()
+
+    def items(self):  # not vLLM's: what kvoffload's reference manager lists residents with
+        return iter(list(self.chunks.items()))
+
+
+class SeededRandomPolicy(CachePolicy):
+    """Evicts uniformly at random (seeded) among the chunks it was told are evictable."""
+
+    def __init__(self, cache_capacity):
+        super().__init__(cache_capacity)
+        self.rng = random.Random(1234)
+        self.chunks = {}
+        self.evictable = {}  # an ordered set
+
+    def get(self, key):
+        return self.chunks.get(key)
+
+    def insert(self, key, chunk, req_context):
+        self.chunks[key] = chunk
+
+    def remove(self, key):
+        del self.chunks[key]
+
+    def touch(self, keys, req_context):
+        pass
+
+    def mark_evictable(self, key):
+        self.evictable[key] = None
+
+    def mark_non_evictable(self, key):
+        del self.evictable[key]
+
+    def evict(self, n, protected):
+        candidates = [key for key in self.evictable if key not in protected]
+        if len(candidates) < n:
+            return None
+        victims = self.rng.sample(candidates, n)
+        for key in victims:
+            del self.evictable[key]
+        return [(key, self.chunks.pop(key)) for key in victims]
+
+    def clear(self):
+        self.chunks.clear()
+        self.evictable.clear()
+'''
+
+#: The same policies against kvoffload's own base class.
+OWN_POLICY = VLLM_POLICIES.replace(
+    "from vllm.v1.kv_offload.cpu.policies.base import", "from kvoffload.policies import"
+)

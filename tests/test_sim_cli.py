@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from _helpers import OWN_POLICY
 from kvoffload.cli import main
 from kvoffload.sim import (
     GeneratorConfig,
@@ -136,47 +137,6 @@ def test_sim_shadows_beside_the_reference_are_a_clear_error(
     assert not list(tmp_path.iterdir())  # nothing ran, nothing written
 
 
-#: A plug-in policy with vLLM's method set only (no ``items``): most recently used first.
-MRU_POLICY = """
-from kvoffload.policies import CachePolicy
-
-
-class MRUPolicy(CachePolicy):
-    def __init__(self, cache_capacity):
-        super().__init__(cache_capacity)
-        self.chunks = {}
-
-    def get(self, key):
-        return self.chunks.get(key)
-
-    def insert(self, key, chunk, req_context):
-        self.chunks[key] = chunk
-
-    def remove(self, key):
-        del self.chunks[key]
-
-    def touch(self, keys, req_context):
-        for key in keys:
-            if key in self.chunks:
-                self.chunks[key] = self.chunks.pop(key)
-
-    def evict(self, n, protected):
-        victims = []
-        for key in reversed(self.chunks):
-            if self.chunks[key].ref_cnt == 0 and key not in protected:
-                victims.append((key, self.chunks[key]))
-                if len(victims) == n:
-                    break
-        if len(victims) < n:
-            return None
-        for key, _ in victims:
-            del self.chunks[key]
-        return victims
-
-    def clear(self):
-        self.chunks.clear()
-"""
-
 CWD_MODULE = "kvoffload_test_cwd_policies"
 
 
@@ -185,7 +145,7 @@ def policy_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
     """The current folder, holding the plug-in module `CWD_MODULE` (on no other path)."""
     folder = tmp_path / "policies"
     folder.mkdir()
-    (folder / f"{CWD_MODULE}.py").write_text(MRU_POLICY)
+    (folder / f"{CWD_MODULE}.py").write_text(OWN_POLICY)  # its MRUPolicy
     monkeypatch.chdir(folder)
     yield folder
     sys.modules.pop(CWD_MODULE, None)

@@ -220,7 +220,6 @@ def test_a_registered_name_reaches_the_worker_processes(
     from kvoffload.policies import CachePolicyFactory
 
     monkeypatch.setattr(CachePolicyFactory, "_registry", dict(CachePolicyFactory._registry))
-    monkeypatch.setattr(CachePolicyFactory, "_sources", dict(CachePolicyFactory._sources))
     CachePolicyFactory.register_cache_policy("oldest-first-test", "_helpers", "OldestFirst")
     reqs = generate_workload("zipf", GeneratorConfig(requests=60))
     policies = ["oldest-first-test", "lru"]

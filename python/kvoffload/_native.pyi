@@ -16,9 +16,11 @@ __all__ = [
     "PolicyRequestRank",
     "RequestState",
     "__version__",
+    "_after_fork_in_child",
+    "_after_fork_in_parent",
+    "_before_fork",
     "_list_access",
     "_raise_core_error",
-    "_shared_fork_hook",
     "register_context_type",
 ]
 
@@ -114,7 +116,9 @@ class PolicyCore:
 
 def _raise_core_error(variant: str) -> None: ...
 def _list_access(mode: str | None = None) -> str: ...
-def _shared_fork_hook(when: str) -> int: ...
+def _before_fork() -> None: ...
+def _after_fork_in_parent() -> None: ...
+def _after_fork_in_child() -> None: ...
 
 @final
 class HostMemoryOwner:

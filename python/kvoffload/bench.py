@@ -303,7 +303,7 @@ def _eviction_order(manager: Any, chunks: int, context_cls: Any) -> str:
             digest.update(b"N;")
             continue
         digest.update(b"".join(out.evicted_keys) + b";")
-        manager.complete_store(list(out.keys_to_store), ctx)
+        manager.complete_store(out.keys_to_store, ctx)
     manager.on_request_finished(ctx)
     return digest.hexdigest()
 

@@ -56,9 +56,9 @@ _JANITOR = _janitor_command()
 # the parent's close would then find itself the last user and remove the name while the child
 # still maps the region. Each fork gives the child a locked open file of its own.
 os.register_at_fork(
-    before=lambda: _native._shared_fork_hook("before"),
-    after_in_parent=lambda: _native._shared_fork_hook("parent"),
-    after_in_child=lambda: _native._shared_fork_hook("child"),
+    before=_native._before_fork,
+    after_in_parent=_native._after_fork_in_parent,
+    after_in_child=_native._after_fork_in_child,
 )
 
 

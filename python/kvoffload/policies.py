@@ -34,7 +34,7 @@ from __future__ import annotations
 import importlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from kvoffload.errors import UnsupportedPolicyError
@@ -188,9 +188,8 @@ class CachePolicyFactory:
     own Rust versions of those names.
     """
 
-    _registry: ClassVar[dict[str, Callable[[], type]]] = {}
-    #: Each registered name's ``(module_path, class_name)``, for `registrations`.
-    _sources: ClassVar[dict[str, tuple[str, str]]] = {}
+    #: Each registered name's ``(module_path, class_name)``, imported when first used.
+    _registry: ClassVar[dict[str, tuple[str, str]]] = {}
     # Makes a registration's check and its entry one step: of two threads registering one name
     # at once, exactly one succeeds (the other is told it is registered), with or without a GIL.
     _registering: ClassVar[threading.Lock] = threading.Lock()
@@ -199,24 +198,9 @@ class CachePolicyFactory:
     def register_cache_policy(cls, name: str, module_path: str, class_name: str) -> None:
         """Register ``module_path.class_name`` under ``name`` (imported when first used)."""
         with cls._registering:
-            cls._register(name, module_path, class_name)
-
-    @classmethod
-    def _register(cls, name: str, module_path: str, class_name: str) -> None:
-        if name in cls._registry:
-            raise UnsupportedPolicyError(f"cache policy {name!r} is already registered")
-
-        def load() -> type:
-            module = importlib.import_module(module_path)
-            try:
-                return check_policy_class(getattr(module, class_name), name)
-            except AttributeError:
-                raise UnsupportedPolicyError(
-                    f"module {module_path!r} has no cache policy class {class_name!r}"
-                ) from None
-
-        cls._registry[name] = load
-        cls._sources[name] = (module_path, class_name)
+            if name in cls._registry:
+                raise UnsupportedPolicyError(f"cache policy {name!r} is already registered")
+            cls._registry[name] = (module_path, class_name)
 
     @classmethod
     def registrations(cls) -> dict[str, tuple[str, str]]:
@@ -225,34 +209,34 @@ class CachePolicyFactory:
         `kvoffload.sim`'s worker processes register the names their parent registered.
         """
         with cls._registering:
-            return dict(cls._sources)
+            return dict(cls._registry)
 
     @classmethod
     def register_missing(cls, registrations: dict[str, tuple[str, str]]) -> None:
         """Register each of ``registrations`` (see `registrations`) not registered here yet."""
         with cls._registering:
-            for name, (module_path, class_name) in registrations.items():
-                if name not in cls._registry:
-                    cls._register(name, module_path, class_name)
+            for name, source in registrations.items():
+                cls._registry.setdefault(name, source)
 
     @classmethod
     def get_cache_policy_cls(cls, name: str, module_path: str | None = None) -> type:
         """The class registered as ``name``, else class ``name`` of module ``module_path``."""
         if not isinstance(name, str):
             raise UnsupportedPolicyError(f"cache_policy must be a str, got {type(name).__name__}")
+        class_name = name
         if name in cls._registry:
-            return cls._registry[name]()
-        if module_path is None:
+            module_path, class_name = cls._registry[name]
+        elif module_path is None:
             raise UnsupportedPolicyError(
                 f"Unknown cache policy: {name!r}. Supported: {list(cls._registry)}. "
                 "For an out-of-tree policy, also set cache_policy_module_path."
             )
         module = importlib.import_module(module_path)
         try:
-            found = getattr(module, name)
+            found = getattr(module, class_name)
         except AttributeError:
             raise UnsupportedPolicyError(
-                f"module {module_path!r} has no cache policy class {name!r}"
+                f"module {module_path!r} has no cache policy class {class_name!r}"
             ) from None
         return check_policy_class(found, name)
 

@@ -484,20 +484,20 @@ impl Drop for HostMemory {
     }
 }
 
-/// Fork hooks of the shared regions (`kvoffload_core::host::before_fork`): in the parent
-/// before the fork (`"before"`), in the parent after it (`"parent"`), in the child (`"child"`,
-/// which returns how many regions the child then holds as its own).
+/// Fork hook, in the parent before a fork (`kvoffload_core::host::before_fork`).
 #[pyfunction]
-pub(crate) fn _shared_fork_hook(when: &str) -> PyResult<usize> {
-    match when {
-        "before" => kvoffload_core::host::before_fork(),
-        "parent" => kvoffload_core::host::after_fork_in_parent(),
-        "child" => return Ok(kvoffload_core::host::after_fork_in_child()),
-        _ => {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "when must be 'before', 'parent' or 'child', not {when:?}"
-            )))
-        }
-    }
-    Ok(0)
+pub(crate) fn _before_fork() {
+    kvoffload_core::host::before_fork();
+}
+
+/// Fork hook, in the parent after a fork (`kvoffload_core::host::after_fork_in_parent`).
+#[pyfunction]
+pub(crate) fn _after_fork_in_parent() {
+    kvoffload_core::host::after_fork_in_parent();
+}
+
+/// Fork hook, in the child (`kvoffload_core::host::after_fork_in_child`).
+#[pyfunction]
+pub(crate) fn _after_fork_in_child() {
+    kvoffload_core::host::after_fork_in_child();
 }

@@ -24,7 +24,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(keys::register_context_type, m)?)?;
     m.add_function(wrap_pyfunction!(errors::_raise_core_error, m)?)?;
     m.add_function(wrap_pyfunction!(lists::_list_access, m)?)?;
-    m.add_function(wrap_pyfunction!(host::_shared_fork_hook, m)?)?;
+    m.add_function(wrap_pyfunction!(host::_before_fork, m)?)?;
+    m.add_function(wrap_pyfunction!(host::_after_fork_in_parent, m)?)?;
+    m.add_function(wrap_pyfunction!(host::_after_fork_in_child, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

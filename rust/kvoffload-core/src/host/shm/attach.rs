@@ -56,8 +56,7 @@ impl Ctx<'_> {
             )));
         }
         let map = map_shared(&fd, size)?;
-        // SAFETY: getpid has no preconditions.
-        let file = ShmFile::new(fd, self.cpath.clone(), unsafe { libc::getpid() }, &st);
+        let file = ShmFile::new(fd, self.cpath.clone(), &st);
         let mut region = Region::from_mapping(
             map,
             size,

@@ -71,15 +71,16 @@ struct Hold {
 
 impl Drop for Hold {
     fn drop(&mut self) {
-        for fd in [
-            self.fd.load(Ordering::Acquire),
-            self.spare.load(Ordering::Acquire),
-        ] {
-            if fd >= 0 {
-                // SAFETY: the descriptor is this hold's own, closed once.
-                unsafe { libc::close(fd) };
-            }
-        }
+        close_own(self.fd.load(Ordering::Acquire));
+        close_own(self.spare.load(Ordering::Acquire));
+    }
+}
+
+/// Close `fd` (-1: none), a descriptor a hold owned and no longer stores.
+fn close_own(fd: i32) {
+    if fd >= 0 {
+        // SAFETY: the caller took `fd` out of its hold, so it is closed once.
+        unsafe { libc::close(fd) };
     }
 }
 
@@ -87,12 +88,14 @@ impl Drop for Hold {
 static HOLDS: Mutex<Vec<Weak<Hold>>> = Mutex::new(Vec::new());
 
 impl ShmFile {
-    fn new(fd: OwnedFd, path: CString, pid: i32, st: &libc::stat) -> Self {
+    /// This process's hold on the region open at `fd` (locked shared), named `path`.
+    fn new(fd: OwnedFd, path: CString, st: &libc::stat) -> Self {
         let hold = Arc::new(Hold {
             fd: AtomicI32::new(fd.into_raw_fd()),
             spare: AtomicI32::new(-1),
             path,
-            pid: AtomicI32::new(pid),
+            // SAFETY: getpid has no preconditions.
+            pid: AtomicI32::new(unsafe { libc::getpid() }),
             dev: st.st_dev,
             ino: st.st_ino,
         });
@@ -135,11 +138,8 @@ impl Hold {
         // SAFETY: flock on our own descriptor. It fails only while a last user is removing the
         // name, which then names no region a child could share.
         if same && unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0 {
-            let old = self.spare.swap(fd.into_raw_fd(), Ordering::AcqRel);
-            if old >= 0 {
-                // SAFETY: a spare left by an earlier fork that did not end; ours to close.
-                unsafe { libc::close(old) };
-            }
+            // A spare left by an earlier fork that did not end goes.
+            close_own(self.spare.swap(fd.into_raw_fd(), Ordering::AcqRel));
         }
     }
 
@@ -150,19 +150,13 @@ impl Hold {
         if spare < 0 || self.pid.load(Ordering::Acquire) == me {
             return;
         }
-        let inherited = self.fd.swap(spare, Ordering::AcqRel);
-        // SAFETY: the inherited descriptor was this hold's own; it is no longer stored.
-        unsafe { libc::close(inherited) };
+        close_own(self.fd.swap(spare, Ordering::AcqRel)); // the inherited one
         self.pid.store(me, Ordering::Release);
     }
 
     /// In the parent: close the spare (the child's copy keeps its lock).
     fn drop_spare(&self) {
-        let spare = self.spare.swap(-1, Ordering::AcqRel);
-        if spare >= 0 {
-            // SAFETY: the spare is this hold's own; it is no longer stored.
-            unsafe { libc::close(spare) };
-        }
+        close_own(self.spare.swap(-1, Ordering::AcqRel));
     }
 }
 
@@ -203,19 +197,12 @@ pub fn after_fork_in_parent() {
 
 /// Fork hook, in the child: each spare becomes this process's hold on its region, so that the
 /// name lasts while the child maps it and the child's release does what any user's does.
-/// Returns how many regions it holds so.
-#[must_use]
-pub fn after_fork_in_child() -> usize {
+pub fn after_fork_in_child() {
     // SAFETY: getpid has no preconditions.
     let me = unsafe { libc::getpid() };
-    let holds = live_holds(true).unwrap_or_default();
-    for hold in &holds {
+    for hold in live_holds(true).unwrap_or_default() {
         hold.adopt_spare(me);
     }
-    holds
-        .iter()
-        .filter(|h| h.pid.load(Ordering::Acquire) == me)
-        .count()
 }
 
 /// Unlink `path` if it still names inode (`dev`, `ino`).
@@ -439,12 +426,7 @@ impl Ctx<'_> {
             )));
         }
         let st = fstat(&fd)?;
-        let file = ShmFile::new(
-            fd,
-            self.cpath.clone(),
-            h.creator_pid.load(Ordering::Relaxed),
-            &st,
-        );
+        let file = ShmFile::new(fd, self.cpath.clone(), &st);
         let mut region = Region::from_mapping(
             map,
             total,
