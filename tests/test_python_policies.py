@@ -535,6 +535,58 @@ def test_both_managers_leave_the_offer_uncounted_when_the_policy_raises(method: 
     assert seen[0] == seen[1]
 
 
+@pytest.mark.parametrize("failing_insert", [0, 1, 2])
+def test_both_managers_undo_a_store_whose_insert_raises(failing_insert: int) -> None:
+    """An insert that raises takes back the call's earlier inserts and allocation, leaves the
+    offer uncounted and unrecorded, and keeps the evictions made for it: in both managers."""
+    seen = []
+    for manager_cls in (CPUOffloadingManager, ReferenceManager):
+        m = _flaky_manager(4, manager_cls, store_threshold=2, max_tracker_size=16)
+        old, new = [bytes([i]) * 4 for i in range(4)], [bytes([i]) * 4 for i in range(4, 7)]
+        ctx = ReqContext(req_id="fill")
+        m.prepare_store(old, ctx)
+        m.prepare_store(old, ctx)
+        m.complete_store(old, ctx)
+        m.prepare_store(new, ReqContext(req_id="first offer"))  # counted once: not stored
+        before = _snapshot(m)
+        observed: list[Any] = [before, list(m.take_events()), repr(m.get_stats())]
+        policy = m.policy
+        real_insert = policy.insert
+        inserts: list[bytes] = []
+
+        def insert(key: bytes, chunk: Any, req_context: Any) -> None:
+            if len(inserts) == failing_insert:  # noqa: B023 (this manager's list)
+                inserts.append(key)  # noqa: B023
+                raise RuntimeError("policy failed in insert")
+            inserts.append(key)  # noqa: B023
+            real_insert(key, chunk, req_context)  # noqa: B023
+
+        policy.insert = insert
+        offer = [old[0], *new]  # the resident key is protected: the other three are evicted
+        ctx = ReqContext(req_id="second offer")
+        with pytest.raises(RuntimeError, match="insert"):
+            m.prepare_store(offer, ctx)
+        assert inserts == new[: failing_insert + 1]
+        after = _snapshot(m)
+        assert after[0] == {old[0]: before[0][old[0]]}  # the evictions stand
+        assert after[2] == before[2]  # the offer was not counted
+        _policy_agrees(m)
+        events = list(m.take_events())
+        assert [(e.keys, e.removed) for e in events] == [(old[1:], True)]
+        observed += [after, events, repr(m.get_stats())]
+        # Unrecorded: the same request offers the same keys again and stores them.
+        del policy.insert
+        out = m.prepare_store(offer, ctx)
+        assert out is not None
+        assert out.keys_to_store == new
+        m.complete_store(new, ctx)
+        m.on_request_finished(ctx)
+        _policy_agrees(m)
+        observed += [list(out.store_spec.chunk_ids), _snapshot(m), repr(m.get_stats())]
+        seen.append(observed)
+    assert seen[0] == seen[1]
+
+
 def test_a_policy_calling_its_manager_gets_reentrant_call_error() -> None:
     m = _flaky_manager(2)
     seen: list[BaseException] = []

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.sim import ObjectTrace, SimConfig, simulate, write_object_trace, zipf_object_trace
+from kvoffload.sim import (
+    ObjectTrace,
+    SimConfig,
+    format_comparison,
+    format_curve,
+    simulate,
+    write_object_trace,
+    zipf_object_trace,
+)
 from kvoffload.sim import policies as sim_policies
 
 SIZES = (25, 100, 250, 600)
@@ -127,3 +135,26 @@ def test_classic_counts(zipf_trace: ObjectTrace) -> None:
     assert res.evicted_chunks == misses - 100  # the cache filled once, then one out per miss
     assert res.token_hit_ratio is None
     assert res.chunk_ops == res.requests + res.hit_chunks + 2 * misses
+
+
+def test_classic_counts_with_an_admission_threshold(zipf_trace: ObjectTrace) -> None:
+    # With store_threshold=2 a first miss of an object is offered and skipped, not stored.
+    res = simulate(zipf_trace, SimConfig(num_chunks=100, store_threshold=2))
+    misses = res.requests - res.hit_chunks
+    assert res.stores_skipped > 0
+    assert res.stored_chunks + res.stores_skipped == misses
+    assert res.evicted_chunks == res.stored_chunks - 100
+    assert (
+        res.chunk_ops == res.requests + res.hit_chunks + 2 * res.stored_chunks + res.stores_skipped
+    )
+
+
+def test_classic_tables_count_objects(zipf_trace: ObjectTrace) -> None:
+    results = [simulate(zipf_trace, SimConfig(num_chunks=n)) for n in (10, 100)]
+    table = format_comparison(results[1:])
+    assert "cache size (objects)" in table
+    assert "hit ratio (requests)" in table
+    assert "objects stored" in table
+    for serving_only in ("chunk", "token", "bytes", "pending"):
+        assert serving_only not in table
+    assert format_curve(results).splitlines()[0].startswith("cache size (objects)")

@@ -16,6 +16,7 @@ with every policy, ``on_request_finished`` checks the position of every key the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import threading
@@ -119,6 +120,12 @@ class ChunkPool:
         self.num_handed_out += fresh
         ids.extend(self.free_ids.pop() for _ in range(n - fresh))
         return ids
+
+    def undo_allocate(self, ids: list[int], handed_out_before: int) -> None:
+        """Take back what `allocate` answered (``ids``), leaving the pool as it was before."""
+        fresh = self.num_handed_out - handed_out_before
+        self.num_handed_out = handed_out_before
+        self.free_ids.extend(reversed(ids[fresh:]))
 
     def free(self, chunk_id: int) -> None:
         """Return one id."""
@@ -434,10 +441,10 @@ class CPUOffloadingManager:
         state = self._recording_state(req_context)
 
         # vLLM's steps, numbered as in its prepare_store. The policy is called in vLLM's order
-        # (4, 5, 8), but the manager's own part of steps 1 to 7 (offer counts, request state,
-        # stats) is made only once the eviction has succeeded or declined: a policy method that
-        # raises, or an evict answer that breaks the contract, leaves the offer uncounted and
-        # unrecorded, as in the Rust manager.
+        # (4, 5, 8, 9), but the manager's own part of steps 1 to 7 (offer counts, request
+        # state, stats) is made only once the inserts have succeeded or the eviction declined: a
+        # policy method that raises, or an evict answer that breaks the contract, leaves the
+        # offer uncounted and unrecorded, as in the Rust manager.
         # 4: first-time store misses of this request go to the policy.
         misses = [k for k in to_store if k not in state.store_misses_reported]
         if misses:
@@ -446,8 +453,11 @@ class CPUOffloadingManager:
         new_keys = [k for k in recorded if k not in state.seen]
         if new_keys:
             self._policy.on_request_access(new_keys, req_context)
-        # 8: make room.
+        # 8, 9: make room, then allocate and insert as pending (undone if an insert raises).
         evicted_keys = self._make_room(len(to_store), offered) if to_store else []
+        placed = None
+        if to_store and evicted_keys is not None:
+            placed = self._place(to_store, req_context)  # chunk ids and statuses
 
         # 1, 3: count the offer; drop candidates below the threshold.
         if tracker is not None:
@@ -475,14 +485,11 @@ class CPUOffloadingManager:
             )
         # 7
         self._allocation_sizes.append(len(to_store))
-        if evicted_keys is None:
+        if evicted_keys is None or placed is None:
             return None
-        # 9: allocate and insert as pending.
-        chunk_ids = self._pool.allocate(len(to_store))
+        chunk_ids, statuses = placed
         writes = []
-        for key, chunk_id in zip(to_store, chunk_ids, strict=True):
-            status = ChunkStatus(chunk_id, -1)
-            self._policy.insert(key, status, req_context)
+        for key, status in zip(to_store, statuses, strict=True):
             self._statuses[key] = status
             writes.append((key, status))
             state.inserted.add(key)
@@ -493,6 +500,31 @@ class CPUOffloadingManager:
             store_spec=CPULoadStoreSpec(chunk_ids),
             evicted_keys=evicted_keys,
         )
+
+    def _place(
+        self, keys: list[bytes], req_context: RequestContext
+    ) -> tuple[list[int], list[ChunkStatus]]:
+        """Allocate chunks for ``keys`` and insert them into the policy, pending.
+
+        If an insert raises, the keys inserted before it are removed again (their removals'
+        errors dropped), the pool is left as it was and the insert's error propagates: the
+        evictions made for the call stand, as in the Rust manager.
+        """
+        handed_out_before = self._pool.num_handed_out
+        chunk_ids = self._pool.allocate(len(keys))
+        statuses: list[ChunkStatus] = []
+        try:
+            for key, chunk_id in zip(keys, chunk_ids, strict=True):
+                status = ChunkStatus(chunk_id, -1)
+                self._policy.insert(key, status, req_context)
+                statuses.append(status)
+        except BaseException:
+            for key in reversed(keys[: len(statuses)]):
+                with contextlib.suppress(Exception):
+                    self._policy.remove(key)
+            self._pool.undo_allocate(chunk_ids, handed_out_before)
+            raise
+        return chunk_ids, statuses
 
     def _make_room(self, n: int, offered: set[bytes]) -> list[bytes] | None:
         """Evict what the policy chooses so that ``n`` chunks are free; the evicted keys.

@@ -61,7 +61,7 @@ def run_classic(
     prepare_store, complete_store = manager.prepare_store, manager.complete_store
     on_new_request, on_request_finished = manager.on_new_request, manager.on_request_finished
     hit = LookupResult.HIT
-    hits = misses_stored = evicted = refused = 0
+    hits = stored = evicted = refused = skipped = 0
     started = time.perf_counter()
     for i, obj in enumerate(ids):
         key = keys.get(obj)
@@ -76,10 +76,12 @@ def run_classic(
             out = prepare_store((key,), ctx)
             if out is None:
                 refused += 1
-            else:
+            elif out.keys_to_store:
                 evicted += len(out.evicted_keys)
                 complete_store(out.keys_to_store, ctx)
-                misses_stored += 1
+                stored += 1
+            else:  # below the admission threshold (store_threshold >= 2)
+                skipped += 1
         on_request_finished(ctx)
         if progress is not None and (i + 1) % _PROGRESS_EVERY == 0:
             progress(_PROGRESS_EVERY)
@@ -89,11 +91,13 @@ def run_classic(
     n = len(ids)
     res.requests = res.lookup_chunks = n
     res.hit_chunks = hits
-    res.stored_chunks = misses_stored
+    res.stored_chunks = stored
     res.evicted_chunks = evicted
     res.stores_refused = refused
-    # Key-level operations: a lookup per request, then a touch (hit) or a store and its completion.
-    res.chunk_ops = n + hits + 2 * misses_stored + refused
+    res.stores_skipped = skipped
+    # Key-level operations: a lookup per request, then a touch (hit) or an offer to store, and
+    # the completion of an offer taken.
+    res.chunk_ops = n + hits + 2 * stored + skipped + refused
     res.shadow_hit_rates = shadow_hit_rates(manager)
     if cfg.check_invariants and hasattr(manager, "check_invariants"):
         manager.check_invariants()

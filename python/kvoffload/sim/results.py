@@ -195,33 +195,59 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def format_comparison(results: Sequence[SimResult]) -> str:
-    """One side-by-side table: a column per result (policy), a row per measure."""
+    """One side-by-side table: a column per result (policy), a row per measure.
+
+    Classic-mode results count objects (one a request) and leave out the serving rows that
+    have nothing to count there (tokens, bytes, failed stores, pending waits).
+    """
+    classic = _classic(results)
+    unit = "objects" if classic else "chunks"
     header = ["", *(f"{r.policy}" for r in results)]
     rows: list[list[str]] = [
-        ["cache size (chunks)", *(f"{r.num_chunks:,}" for r in results)],
-        ["hit ratio (chunks)", *(_pct(r.chunk_hit_ratio) for r in results)],
-        ["hit ratio (tokens)", *(_pct(r.token_hit_ratio) for r in results)],
-        ["bytes loaded", *(_bytes(r.bytes_loaded) for r in results)],
-        ["bytes stored", *(_bytes(r.bytes_stored) for r in results)],
-        ["chunks stored", *(f"{r.stored_chunks:,}" for r in results)],
-        ["evictions (chunks)", *(f"{r.evicted_chunks:,}" for r in results)],
+        [f"cache size ({unit})", *(f"{r.num_chunks:,}" for r in results)],
+        [
+            "hit ratio (requests)" if classic else "hit ratio (chunks)",
+            *(_pct(r.chunk_hit_ratio) for r in results),
+        ],
+    ]
+    if not classic:
+        rows += [
+            ["hit ratio (tokens)", *(_pct(r.token_hit_ratio) for r in results)],
+            ["bytes loaded", *(_bytes(r.bytes_loaded) for r in results)],
+            ["bytes stored", *(_bytes(r.bytes_stored) for r in results)],
+        ]
+    rows += [
+        [f"{unit} stored", *(f"{r.stored_chunks:,}" for r in results)],
+        [f"evictions ({unit})", *(f"{r.evicted_chunks:,}" for r in results)],
         ["stores skipped (threshold)", *(f"{r.stores_skipped:,}" for r in results)],
         ["stores refused (no room)", *(f"{r.stores_refused:,}" for r in results)],
-        ["stores failed (chunks)", *(f"{r.stores_failed:,}" for r in results)],
-        ["pending waits", *(f"{r.pending_waits:,}" for r in results)],
     ]
+    if not classic:
+        rows += [
+            ["stores failed (chunks)", *(f"{r.stores_failed:,}" for r in results)],
+            ["pending waits", *(f"{r.pending_waits:,}" for r in results)],
+        ]
     kinds = [k for k in SIM_CALL_KINDS if any(r.ns_per_call(k) is not None for r in results)]
     rows += [[f"ns/call {k}", *(_num(r.ns_per_call(k)) for r in results)] for k in kinds]
     rows.append(["wall time (s)", *(_num(r.wall_s, 2) for r in results)])
     return _table(header, rows)
 
 
+def _classic(results: Sequence[SimResult]) -> bool:
+    """Whether the results are classic mode's (a table mixing the two modes counts chunks)."""
+    return bool(results) and all(r.mode == "classic" for r in results)
+
+
 def format_curve(results: Sequence[SimResult]) -> str:
-    """A miss-ratio table: a row per cache size, a column per policy (chunk miss ratio)."""
+    """A miss-ratio table: a row per cache size, a column per policy (chunk miss ratio).
+
+    Classic-mode results give misses over requests, by cache size in objects.
+    """
     policies = list(dict.fromkeys(r.policy for r in results))
     sizes = sorted({r.num_chunks for r in results})
     by_key = {(r.policy, r.num_chunks): r for r in results}
-    header = ["cache size (chunks)", *(f"{p} miss" for p in policies)]
+    unit = "objects" if _classic(results) else "chunks"
+    header = [f"cache size ({unit})", *(f"{p} miss" for p in policies)]
     rows = []
     for size in sizes:
         row = [f"{size:,}"]
