@@ -320,7 +320,9 @@ def test_a_foreign_file_is_refused(shm_name: str) -> None:
         path.unlink()
 
 
-@pytest.mark.parametrize("name", ["", ".hidden", "a/b", "sp ace", "x" * 201])
+@pytest.mark.parametrize(
+    "name", ["", ".hidden", "a/b", "sp ace", "x" * 201, "\udcff", "é", "a\x00"]
+)
 def test_bad_names(name: str) -> None:
     with pytest.raises(InvalidArgumentError):
         HostPool(1, 4096, shared_name=name)

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import random
 import sys
 import threading
@@ -30,6 +32,7 @@ from kvoffload import (
     ReentrantCallError,
     ReqContext,
     UnsupportedPolicyError,
+    _native,
 )
 from kvoffload.policies import POLICY_METHODS, CachePolicy, CachePolicyFactory, ChunkStatus
 from kvoffload.reference import CPUOffloadingManager as ReferenceManager
@@ -585,6 +588,61 @@ def test_both_managers_undo_a_store_whose_insert_raises(failing_insert: int) -> 
         observed += [list(out.store_spec.chunk_ids), _snapshot(m), repr(m.get_stats())]
         seen.append(observed)
     assert seen[0] == seen[1]
+
+
+def _panic_exception() -> type[BaseException]:
+    """PyO3's PanicException (what a PyO3 extension raises for a Rust panic)."""
+    with contextlib.suppress(Exception):
+        _native._raise_core_error("Invariant")
+    for cls in BaseException.__subclasses__():
+        if cls.__name__ == "PanicException":
+            return cls
+    pytest.skip("PyO3's PanicException class is not reachable")
+
+
+class Raising(Flaky):
+    """Flaky, raising ``exc`` instead of RuntimeError."""
+
+    exc: type[BaseException] = RuntimeError
+
+    def _maybe_fail(self, name: str) -> None:
+        self.calls.append(name)
+        if self.fail_in == name:
+            self.fail_in = None
+            raise self.exc(f"policy failed in {name}")
+
+
+@pytest.mark.parametrize(
+    "method", ["on_store_miss", "on_request_access", "evict", "insert", "mark_non_evictable"]
+)
+def test_a_panic_exception_from_the_policy_is_undone_like_any_other(method: str) -> None:
+    # PyO3 turns a PanicException it takes back into a Rust panic; unwinding through the core
+    # it skipped the undo and poisoned the manager's lock for good.
+    ends = []
+    for exc in (RuntimeError, _panic_exception()):
+        m = _flaky_manager(3)
+        policy = m.policy
+        policy.__class__ = Raising
+        policy.exc = exc
+        keys = [bytes([i]) * 4 for i in range(5)]
+        ctx = ReqContext(req_id="r")
+        m.prepare_store(keys[:3], ctx)
+        m.complete_store(keys[:3], ctx)
+        before = _snapshot(m)
+        policy.fail_in = method
+        if method == "mark_non_evictable":
+            call = functools.partial(m.prepare_load, keys[:2], ctx)
+        else:  # a full pool: evicts
+            call = functools.partial(m.prepare_store, keys[3:], ReqContext(req_id="s"))
+        with pytest.raises(exc, match=f"policy failed in {method}"):
+            call()
+        after = _snapshot(m)
+        _policy_agrees(m)
+        out = m.prepare_store(keys[3:], ReqContext(req_id="t"))
+        assert out is not None
+        _policy_agrees(m)
+        ends.append((before, after, list(m.take_events()), out.keys_to_store, _snapshot(m)))
+    assert ends[0] == ends[1]
 
 
 def test_a_policy_calling_its_manager_gets_reentrant_call_error() -> None:

@@ -32,6 +32,7 @@ from _helpers import (
 )
 from kvoffload import (
     CacheHitSource,
+    InvalidArgumentError,
     Medium,
     OffloadingEvent,
     OffloadPolicy,
@@ -361,6 +362,23 @@ def test_vllm_shaped_context(make_manager: MakeManager) -> None:
     assert sorted(ranks(m), key=ranks(m).__getitem__) == ks(3, 2, 1)
     with pytest.raises(RequestFinishedError):
         m.prepare_store(ks(4), req)
+    m.check_invariants()
+
+
+def test_a_context_method_set_on_the_instance_is_called(make_manager: MakeManager) -> None:
+    # kvoffload's own ReqContext is read through its dicts; a method set on the instance in
+    # place of its class's was skipped (the Rust manager ranked without these positions).
+    m = make_manager(4)
+    req = ReqContext("r")
+    req.get_offload_key_position = {k(1): 10, k(2): 20}.get  # type: ignore[method-assign]
+    store(m, req, 1, 2)
+    assert m.policy_state()["ranks"] == {k(1): (0, -10), k(2): (0, -20)}
+    bad = ReqContext("bad")
+    bad.get_offload_key_position = lambda key: 1.5  # type: ignore[method-assign]
+    before = m.policy_state()
+    with pytest.raises(InvalidArgumentError, match="position"):
+        m.prepare_store(ks(3), bad)
+    assert m.policy_state() == before
     m.check_invariants()
 
 

@@ -317,3 +317,45 @@ def test_policy_core_rejects_calls_vllms_manager_never_makes() -> None:
     core.remove(key(2))  # absent: ignored, as vLLM's ARC does
     core.check_invariants()
     assert len(core) == 1
+
+
+def test_policy_core_refuses_the_position_an_lru_rank_cannot_negate() -> None:
+    # -(2**63) has no int64 negation: refused as kvoffload's manager refuses it (it raised a
+    # PanicException and poisoned the policy's lock), and the policy goes on working.
+    from kvoffload import InvalidArgumentError, ReqContext, _native
+
+    core = _native.PolicyCore("lru", 4)
+    ctx = ReqContext("r")
+    ctx.set_offload_key_position(key(1), -(2**63))
+    with pytest.raises(InvalidArgumentError, match="out of range"):
+        core.insert(key(1), _Chunk(0), ctx)
+    core.insert(key(2), _Chunk(1), ctx)
+    with pytest.raises(InvalidArgumentError, match="out of range"):
+        core.on_request_access([key(1), key(2)], ctx)
+    ctx.set_offload_key_position(key(1), -(2**63) + 1)
+    core.insert(key(1), _Chunk(0), ctx)
+    core.check_invariants()
+    assert len(core) == 2
+
+
+def test_policy_core_refuses_bad_arguments_from_kvoffloads_tree() -> None:
+    # What vLLM's manager never passes, refused as kvoffload refuses bad input (these were
+    # OverflowError, AttributeError and TypeError), changing nothing.
+    from kvoffload import InvalidArgumentError, InvalidKeyError, ReqContext, _native
+
+    core = _native.PolicyCore("lru", 4)
+    ctx = ReqContext("r")
+    core.insert(key(1), _Chunk(0, 0), ctx)
+    with pytest.raises(InvalidArgumentError, match="n must be an int >= 0"):
+        core.evict(-1, [])
+    with pytest.raises(InvalidArgumentError, match="n must be an int >= 0"):
+        core.evict("1", [])  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="ChunkStatus"):
+        core.insert(key(2), object(), ctx)
+    with pytest.raises(InvalidKeyError, match="key_groups"):
+        core.on_request_finished(5, set(), set(), ctx)  # type: ignore[arg-type]
+    assert len(core) == 1
+    victims = core.evict(1, [])
+    assert victims is not None
+    assert [k for k, _ in victims] == [key(1)]
+    core.check_invariants()

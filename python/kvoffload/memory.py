@@ -233,6 +233,8 @@ class HostPool:
         num_threads = _count("num_threads", num_threads, 1, 1024)
         if shared_name is not None and not isinstance(shared_name, str):
             raise InvalidArgumentError("shared_name must be a str")
+        if shared_name is not None and not shared_name.isprintable():
+            raise InvalidArgumentError(f"shared_name must be printable, got {shared_name!r}")
         if isinstance(attach_timeout, bool) or not isinstance(attach_timeout, (int, float)):
             raise InvalidArgumentError("attach_timeout must be a number of seconds")
         self._mem = _native.HostMemory(

@@ -5,7 +5,8 @@
 use kvoffload_core::CoreError;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::PyType;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyModule, PyType};
 
 /// Name of the `kvoffload.errors` class that a core error variant maps to.
 pub(crate) fn class_name(err: &CoreError) -> &'static str {
@@ -24,11 +25,15 @@ pub(crate) fn class_name(err: &CoreError) -> &'static str {
     }
 }
 
-/// An instance of the `kvoffload.errors` class `name` carrying `msg`.
+/// `kvoffload.errors`, imported once: an error made later runs no import machinery (an import
+/// hook is Python code, and errors are often made while a lock is held).
+static ERRORS: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+
+/// An instance of the `kvoffload.errors` class `name` carrying `msg` (made when raised).
 pub(crate) fn raise(py: Python<'_>, name: &str, msg: String) -> PyErr {
-    let cls = py
-        .import("kvoffload.errors")
-        .and_then(|m| m.getattr(name))
+    let cls = ERRORS
+        .get_or_try_init(py, || py.import("kvoffload.errors").map(Bound::unbind))
+        .and_then(|m| m.bind(py).getattr(name))
         .and_then(|c| c.cast_into::<PyType>().map_err(PyErr::from));
     match cls {
         Ok(cls) => PyErr::from_type(cls, msg),

@@ -637,13 +637,63 @@ pub(crate) fn register_context_type(py: Python<'_>, cls: &Bound<'_, PyType>) -> 
 }
 
 /// Whether `obj`'s class is one whose instances are read through their dicts.
-fn has_fast_dicts(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+/// `Some(n)`: it is, and a plain instance's dict holds `n` entries (its dataclass fields).
+fn fast_dict_fields(obj: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+    static OWN: PyOnceLock<usize> = PyOnceLock::new();
+    static EXTRA: PyOnceLock<usize> = PyOnceLock::new();
     let py = obj.py();
     let ty = obj.get_type();
-    if ty.is(req_context_type(py)?) {
-        return Ok(true);
+    let cell = if ty.is(req_context_type(py)?) {
+        &OWN
+    } else if EXTRA_CONTEXT.get(py).is_some_and(|t| ty.is(t.bind(py))) {
+        &EXTRA
+    } else {
+        return Ok(None);
+    };
+    // Not a dataclass: 0, so that every instance is checked for methods of its own.
+    let fields = || -> PyResult<usize> {
+        py.import("dataclasses")?
+            .getattr("fields")?
+            .call1((&ty,))?
+            .len()
+    };
+    Ok(Some(*cell.get_or_init(py, || fields().unwrap_or(0))))
+}
+
+/// The `(_state, _offload_key_positions)` dicts of a context whose class is read through them,
+/// or `None` (read through its methods) when the instance does not hold both dicts, or holds a
+/// method of its own in place of one of its class's. An instance dict of no more than the
+/// class's `fields` entries holds no such method (its fields are there).
+fn fast_dicts<'py>(
+    obj: &Bound<'py, PyAny>,
+    fields: usize,
+) -> PyResult<Option<(Bound<'py, PyDict>, Bound<'py, PyDict>)>> {
+    let py = obj.py();
+    let Ok(attrs) = obj
+        .getattr(pyo3::intern!(py, "__dict__"))?
+        .cast_into::<PyDict>()
+    else {
+        return Ok(None);
+    };
+    let methods = [
+        pyo3::intern!(py, "get_offload_key_position"),
+        pyo3::intern!(py, "get_state"),
+        pyo3::intern!(py, "set_state"),
+    ];
+    let checked = if attrs.len() > fields { 3 } else { 0 };
+    for name in &methods[..checked] {
+        if attrs.contains(name)? {
+            return Ok(None);
+        }
     }
-    Ok(EXTRA_CONTEXT.get(py).is_some_and(|t| ty.is(t.bind(py))))
+    let dict = |name: &Bound<'py, PyString>| -> PyResult<Option<Bound<'py, PyDict>>> {
+        Ok(attrs
+            .get_item(name)?
+            .and_then(|d| d.cast_into::<PyDict>().ok()))
+    };
+    let state = dict(pyo3::intern!(py, "_state"))?;
+    let positions = dict(pyo3::intern!(py, "_offload_key_positions"))?;
+    Ok(state.zip(positions))
 }
 
 /// A request context: kvoffload's own `ReqContext` (fast path through its dicts) or any object
@@ -658,18 +708,8 @@ impl<'py> Context<'py> {
     pub(crate) fn new(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
         let py = obj.py();
         let mut dicts = None;
-        if has_fast_dicts(obj)? {
-            let state = obj
-                .getattr(pyo3::intern!(py, "_state"))?
-                .cast_into::<PyDict>()
-                .ok();
-            let pos = obj
-                .getattr(pyo3::intern!(py, "_offload_key_positions"))?
-                .cast_into::<PyDict>()
-                .ok();
-            if let (Some(s), Some(p)) = (state, pos) {
-                dicts = Some((s, p));
-            }
+        if let Some(fields) = fast_dict_fields(obj)? {
+            dicts = fast_dicts(obj, fields)?;
         }
         if dicts.is_none() {
             const METHODS: [&str; 3] = ["get_state", "set_state", "get_offload_key_position"];
@@ -729,8 +769,19 @@ impl<'py> Context<'py> {
         self.dicts.as_ref().is_none_or(|(_, p)| !p.is_empty())
     }
 
-    /// The position of one key object, or `None`.
+    /// The position of one key object, or `None`; `i64::MIN` is refused as the manager refuses
+    /// it (an LRU rank negates positions).
     pub(crate) fn position(&self, key: &Bound<'py, PyAny>) -> PyResult<Option<i64>> {
+        let p = self.any_position(key)?;
+        if p == Some(i64::MIN) {
+            let msg = "a token position is out of range";
+            return Err(raise(self.obj.py(), "InvalidArgumentError", msg.to_owned()));
+        }
+        Ok(p)
+    }
+
+    /// The position of one key object as read, or `None`.
+    fn any_position(&self, key: &Bound<'py, PyAny>) -> PyResult<Option<i64>> {
         let v = match &self.dicts {
             Some((_, pos)) => {
                 if let Some(found) = plain_position(pos, key) {

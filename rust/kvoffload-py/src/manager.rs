@@ -9,7 +9,7 @@ use crate::lists::new_list;
 use crate::liveness::Liveness;
 use crate::policy::external::PythonPolicy;
 use crate::policy::state::{state_dict, state_keys};
-use crate::request::RequestState;
+use crate::request::{RequestState, StateLockError};
 use kvoffload_core::recycle::{self, Recycled};
 use kvoffload_core::{self as core, Lookup, Manager, ManagerConfig, PolicyKind};
 use numpy::{PyArray1, PyArrayMethods};
@@ -26,6 +26,8 @@ enum LockError {
     Poisoned,
     /// Called from inside its own Python policy.
     Reentrant,
+    /// A request state held by this thread's call that runs a Python policy.
+    StateInUse,
 }
 
 impl LockError {
@@ -39,6 +41,7 @@ impl LockError {
                  call the manager that drives it"
                     .into(),
             ),
+            LockError::StateInUse => crate::request::in_use(py),
         }
     }
 }
@@ -380,8 +383,32 @@ fn renew_if_stale(m: &Core, s: &mut core::RequestState) {
     }
 }
 
+/// Lock one request's state for an attached call (see [`RequestState::lock_for`]).
+fn lock_state<'s>(
+    py: Python<'_>,
+    state: &'s RequestState,
+) -> PyResult<std::sync::MutexGuard<'s, core::RequestState>> {
+    state.lock_for(py).map_err(|e| match e {
+        StateLockError::Poisoned => poisoned(py),
+        StateLockError::InUse => crate::request::in_use(py),
+    })
+}
+
+impl From<StateLockError> for LockError {
+    fn from(e: StateLockError) -> Self {
+        match e {
+            StateLockError::Poisoned => LockError::Poisoned,
+            StateLockError::InUse => LockError::StateInUse,
+        }
+    }
+}
+
+/// How many times `on_request_finished` reads a request's positions when the request records
+/// new keys meanwhile.
+const FINISH_TRIES: usize = 4;
+
 /// An address unique to the calling thread while it lives.
-fn thread_mark() -> usize {
+pub(crate) fn thread_mark() -> usize {
     thread_local!(static MARK: u8 = const { 0 });
     MARK.with(|m| std::ptr::from_ref(m) as usize)
 }
@@ -506,7 +533,7 @@ impl ManagerCore {
         f: impl FnOnce(&mut Core, &mut core::RequestState) -> R,
     ) -> PyResult<R> {
         let mut m = self.lock(py)?;
-        let mut s = state.inner.lock().map_err(|_| poisoned(py))?;
+        let mut s = lock_state(py, state)?;
         Ok(f(&mut m, &mut s))
     }
 
@@ -527,7 +554,7 @@ impl ManagerCore {
             let out = py.detach(|| {
                 let mut m = applied(self.inner.lock().map_err(|_| LockError::Poisoned)?);
                 let mut s = match state {
-                    Some(st) => Some(st.inner.lock().map_err(|_| LockError::Poisoned)?),
+                    Some(st) => Some(st.lock_detached_for().map_err(LockError::from)?),
                     None => None,
                 };
                 // Detached, other threads run: their completions stay lock-free meanwhile.
@@ -559,7 +586,7 @@ impl ManagerCore {
     ) -> PyResult<(R, Option<PyErr>)> {
         let mut m = self.lock(py)?;
         let mut s = match state {
-            Some(st) => Some(st.inner.lock().map_err(|_| poisoned(py))?),
+            Some(st) => Some(lock_state(py, st)?),
             None => None,
         };
         m.attached = true;
@@ -568,11 +595,18 @@ impl ManagerCore {
             m.attached = false;
             return Ok((out, None));
         }
-        self.busy.store(thread_mark(), Ordering::Release);
+        let mark = thread_mark();
+        self.busy.store(mark, Ordering::Release);
+        if let Some(st) = state {
+            st.set_holder(mark);
+        }
         m.begin(ctx, keys);
         let out = f(&mut m, s.as_deref_mut());
         m.attached = false;
         let raised = m.finish();
+        if let Some(st) = state {
+            st.set_holder(0);
+        }
         self.busy.store(0, Ordering::Release);
         Ok((out, raised))
     }
@@ -1076,7 +1110,9 @@ impl ManagerCore {
         // manager releases under the lock.
         if !self.python_policy {
             if let Some(mut m) = uncontended(&self.inner) {
-                return complete_loads(&mut m, slices, &addrs).map_err(|e| to_py(py, e));
+                let done = complete_loads(&mut m, slices, &addrs);
+                drop(m); // the error is made unlocked
+                return done.map_err(|e| to_py(py, e));
             }
             if self.table.release(slices) == core::Release::Done {
                 return Ok(());
@@ -1246,16 +1282,32 @@ impl ManagerCore {
         let Ok(state) = obj.cast_into::<RequestState>() else {
             return Ok(());
         };
-        // Positions are read (Python) while no lock is held.
-        let positions = self.finish_positions(py, &ctx, &state)?;
-        let Some(positions) = positions else {
-            return Ok(());
-        };
-        let (done, raised) =
-            self.policy_call(py, Some(ctx.object()), &[], Some(state.get()), |m, s| {
-                m.on_request_finished(s.expect("state given"), &positions)
-            })?;
-        settle(py, done, raised)
+        // Positions are read (Python) while no lock is held; should the request record new
+        // keys meanwhile (another thread, or the context's own callbacks), they are read again.
+        for _ in 0..FINISH_TRIES {
+            let Some(positions) = self.finish_positions(py, &ctx, &state)? else {
+                return Ok(());
+            };
+            let (done, raised) =
+                self.policy_call(py, Some(ctx.object()), &[], Some(state.get()), |m, s| {
+                    let s = s.expect("state given");
+                    let grown = m.is_current(s)
+                        && !s.is_finished()
+                        && s.seen_keys().len() != positions.len();
+                    (!grown).then(|| m.on_request_finished(s, &positions))
+                })?;
+            if let Some(done) = done {
+                return settle(py, done, raised);
+            }
+        }
+        Err(raise(
+            py,
+            "InvalidArgumentError",
+            format!(
+                "the request kept recording new keys while it was being finished ({FINISH_TRIES} \
+                 tries); finish it once its other calls have returned"
+            ),
+        ))
     }
 
     /// Drop every chunk and the policy state.
@@ -1365,21 +1417,30 @@ impl ManagerCore {
     /// Raise `InvariantViolation` if any internal invariant is broken.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         let core = self.lock(py)?;
-        core.validate().map_err(|e| to_py(py, e))?;
-        // Every resident chunk keeps the key object it was stored with, whose bytes are the
-        // chunk's key: evicted keys are answered with these objects.
-        for (key, c, _) in core.resident() {
-            let kept = core.keys.get(c as usize).and_then(Option::as_ref);
-            if kept.is_none_or(|obj| obj.bind(py).as_bytes() != key.as_slice()) {
-                return Err(to_py(
-                    py,
-                    core::CoreError::Invariant(format!(
-                        "chunk {c} does not keep the key object it holds"
-                    )),
-                ));
-            }
+        // A Python policy's statuses are read here (their ints may run Python code): a call
+        // back into this manager from there is refused, as from the policy itself.
+        if self.python_policy {
+            self.busy.store(thread_mark(), Ordering::Release);
         }
-        Ok(())
+        let checked = core.validate();
+        if self.python_policy {
+            self.busy.store(0, Ordering::Release);
+        }
+        let checked = checked.and_then(|()| {
+            // Every resident chunk keeps the key object it was stored with, whose bytes are
+            // the chunk's key: evicted keys are answered with these objects.
+            for (key, c, _) in core.resident() {
+                let kept = core.keys.get(c as usize).and_then(Option::as_ref);
+                if kept.is_none_or(|obj| obj.bind(py).as_bytes() != key.as_slice()) {
+                    return Err(core::CoreError::Invariant(format!(
+                        "chunk {c} does not keep the key object it holds"
+                    )));
+                }
+            }
+            Ok(())
+        });
+        drop(core); // the error is made unlocked
+        checked.map_err(|e| to_py(py, e))
     }
 
     /// `{key: (chunk_id, ref_cnt)}` of every resident key.

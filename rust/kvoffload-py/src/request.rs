@@ -6,8 +6,8 @@ use kvoffload_core as core;
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::PyBytes;
-use std::sync::atomic::AtomicIsize;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
 /// Opaque per-request state of a `ManagerCore`, kept on the request context.
 #[pyclass(frozen, module = "kvoffload._native")]
@@ -21,6 +21,16 @@ pub(crate) struct RequestState {
     /// Where the request's last recording call left its walk of the context's positions dict
     /// (a hint: see `keys::DictWalk`).
     pub(crate) cursor: AtomicIsize,
+    /// The mark of the thread holding `inner` while a Python cache policy runs (0: none). That
+    /// thread must not lock `inner` again (from inside the policy): it would wait on itself.
+    holder: AtomicUsize,
+}
+
+/// Why [`RequestState::lock_for`] gave no guard.
+pub(crate) enum StateLockError {
+    Poisoned,
+    /// The calling thread holds the state already: a manager call runs its Python policy.
+    InUse,
 }
 
 impl RequestState {
@@ -29,7 +39,51 @@ impl RequestState {
             inner: Mutex::new(inner),
             objs: Mutex::new(Vec::new()),
             cursor: AtomicIsize::new(0),
+            holder: AtomicUsize::new(0),
         }
+    }
+
+    /// Lock the state for a call; the wait is detached from the interpreter (`py`), so that a
+    /// holder running a Python policy can go on. Refused when the calling thread holds it
+    /// itself (a policy handing its context to a manager call).
+    #[inline]
+    pub(crate) fn lock_for(
+        &self,
+        py: Python<'_>,
+    ) -> Result<MutexGuard<'_, core::RequestState>, StateLockError> {
+        self.lock_with(|m| m.lock_py_attached(py))
+    }
+
+    /// Lock the state from a detached call (see [`lock_for`](Self::lock_for)).
+    pub(crate) fn lock_detached_for(
+        &self,
+    ) -> Result<MutexGuard<'_, core::RequestState>, StateLockError> {
+        self.lock_with(Mutex::lock)
+    }
+
+    /// Take the lock at once if free; else, unless this thread holds it, wait with `wait`.
+    #[inline]
+    fn lock_with<'s>(
+        &'s self,
+        wait: impl FnOnce(
+            &'s Mutex<core::RequestState>,
+        ) -> std::sync::LockResult<MutexGuard<'s, core::RequestState>>,
+    ) -> Result<MutexGuard<'s, core::RequestState>, StateLockError> {
+        match self.inner.try_lock() {
+            Ok(guard) => return Ok(guard),
+            Err(TryLockError::Poisoned(_)) => return Err(StateLockError::Poisoned),
+            Err(TryLockError::WouldBlock) => {}
+        }
+        if self.holder.load(Ordering::Acquire) == crate::manager::thread_mark() {
+            return Err(StateLockError::InUse);
+        }
+        wait(&self.inner).map_err(|_| StateLockError::Poisoned)
+    }
+
+    /// Mark the state held by the thread `mark` (0: by none) while its guard is kept across a
+    /// Python policy's calls.
+    pub(crate) fn set_holder(&self, mark: usize) {
+        self.holder.store(mark, Ordering::Release);
     }
 
     /// Disown a state that a failed call gave its request (see `core::RequestState::disown`):
@@ -44,46 +98,71 @@ impl RequestState {
     /// Keep the objects of the keys a successful recording call added to the seen keys: the
     /// seen keys numbered `mark` on are `keys[i]` for `i` in `added`, in order.
     pub(crate) fn keep_objects(&self, mark: usize, added: &[u32], keys: &[Bound<'_, PyBytes>]) {
-        if let Ok(mut objs) = self.objs.lock() {
-            // Grown like the core's seen keys (a request's first batch makes room for many).
-            let need = (mark + added.len()).saturating_sub(objs.len());
-            if objs.capacity() - objs.len() < need {
-                let extra = core::request::room_for(objs.len(), need);
-                objs.reserve_exact(extra);
-            }
-            objs.resize_with(mark, || None);
-            objs.extend(
-                added
-                    .iter()
-                    .map(|&i| keys.get(i as usize).map(|k| k.clone().unbind())),
-            );
+        let Ok(mut objs) = self.objs.lock() else {
+            return;
+        };
+        // Objects past `mark` (a state renewed in place) are released after the lock: a
+        // decref may run Python code, which may come back for this state.
+        let stale = if objs.len() > mark {
+            objs.split_off(mark)
+        } else {
+            Vec::new()
+        };
+        // Grown like the core's seen keys (a request's first batch makes room for many).
+        let need = (mark + added.len()).saturating_sub(objs.len());
+        if objs.capacity() - objs.len() < need {
+            let extra = core::request::room_for(objs.len(), need);
+            objs.reserve_exact(extra);
         }
+        objs.resize_with(mark, || None);
+        objs.extend(
+            added
+                .iter()
+                .map(|&i| keys.get(i as usize).map(|k| k.clone().unbind())),
+        );
+        drop(objs);
+        drop(stale);
     }
 }
 
 #[pymethods]
 impl RequestState {
-    /// Whether the request has finished (for this manager and generation).
+    /// Whether the request has finished (for this manager and generation). Raises
+    /// `ReentrantCallError` inside a Python policy's call that holds the state.
     // Both read the state under its lock, waited for detached: a manager call may hold it while
     // a Python policy runs, and a thread blocked attached would hold up the free-threaded
     // build's stop-the-world pauses, that call's included.
     #[getter]
-    fn finished(&self, py: Python<'_>) -> bool {
-        self.inner
-            .lock_py_attached(py)
-            .is_ok_and(|s| s.is_finished())
+    fn finished(&self, py: Python<'_>) -> PyResult<bool> {
+        match self.lock_for(py) {
+            Ok(s) => Ok(s.is_finished()),
+            Err(StateLockError::Poisoned) => Ok(false),
+            Err(StateLockError::InUse) => Err(in_use(py)),
+        }
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
-        match self.inner.lock_py_attached(py) {
+        match self.lock_for(py) {
             Ok(s) => format!(
                 "<RequestState seen={} finished={}>",
                 s.seen_keys().len(),
                 s.is_finished()
             ),
-            Err(_) => "<RequestState (poisoned)>".into(),
+            Err(StateLockError::Poisoned) => "<RequestState (poisoned)>".into(),
+            Err(StateLockError::InUse) => "<RequestState (in use by a manager call)>".into(),
         }
     }
+}
+
+/// The error for a request state locked again by the thread whose manager call holds it.
+pub(crate) fn in_use(py: Python<'_>) -> PyErr {
+    crate::errors::raise(
+        py,
+        "ReentrantCallError",
+        "the request's state is held by a manager call running its cache policy on this \
+         thread; a policy must not read it or pass the request context to a manager"
+            .into(),
+    )
 }
 
 /// The rank a `PolicyCore` gave one request; read back only by the same policy in the same cache

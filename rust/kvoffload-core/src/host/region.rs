@@ -96,8 +96,13 @@ pub struct Region {
     shm: Option<ShmFile>,
 }
 
-// SAFETY: a `Region` owns plain bytes; it hands out only raw pointers, and the transfer code
-// makes sure no two of its own threads write the same bytes.
+// SAFETY: a `Region` owns plain bytes (no value in them has a validity invariant) and hands
+// out only raw pointers to them, never references; the transfer code makes sure no two of its
+// own threads write the same bytes within one transfer. Two transfers that touch the same chunk
+// at the same time (from two threads, a queued job, a view, or another process mapping a shared
+// region, which no Rust type can rule out) race on those bytes as any shared-memory writers do:
+// the chunk's contents are then unspecified, and nothing outside the region is touched. The
+// manager never asks for that, and the README states it as a limit.
 unsafe impl Send for Region {}
 // SAFETY: as above; no method takes `&self` and writes through it.
 unsafe impl Sync for Region {}
@@ -198,7 +203,12 @@ impl Region {
     }
 
     /// A region over an existing mapping (for `shm`), with the data one `data_offset` in.
-    pub(crate) fn from_mapping(
+    ///
+    /// # Safety
+    /// `map` is a live mapping of `map_len >= data_offset + data_len` bytes that nothing else
+    /// owns (the region unmaps it when dropped), and `len <= data_len` holds before the region
+    /// is used for anything but dropping.
+    pub(crate) unsafe fn from_mapping(
         map: NonNull<u8>,
         map_len: usize,
         data_offset: usize,
@@ -207,7 +217,7 @@ impl Region {
         info: RegionInfo,
         shm: ShmFile,
     ) -> Self {
-        // SAFETY: `shm` mapped `map_len >= data_offset + data_len` bytes at `map`.
+        // SAFETY: the caller mapped `map_len >= data_offset + data_len` bytes at `map`.
         let data = unsafe { map.add(data_offset) };
         Self {
             map,
@@ -235,7 +245,9 @@ impl Region {
             self.info.huge_pages = true;
         }
         let t0 = Instant::now();
-        self.info.prefault_method = prefault(self.data, len, write_touch, options)?;
+        // SAFETY: `data_len` bytes at `data` are this region's mapping, written by no one while
+        // it is set up (an attacher only reads).
+        self.info.prefault_method = unsafe { prefault(self.data, len, write_touch, options) }?;
         self.info.prefault_seconds = t0.elapsed().as_secs_f64();
         if options.lock_pages {
             // SAFETY: locks pages of our own mapping; no contents change.
@@ -339,7 +351,11 @@ fn thp_enabled(shared: bool) -> Result<()> {
 
 /// Fault every page in: `MADV_POPULATE_WRITE` (Linux 5.14+), else touch one byte per page; on
 /// up to `options.prefault_threads` threads (the kernel's zeroing of fresh pages is CPU work).
-fn prefault(
+///
+/// # Safety
+/// `len` bytes at `data` are a mapping the caller owns; with `write_touch`, one whose contents
+/// no one relies on (zeros may be written into it).
+unsafe fn prefault(
     data: NonNull<u8>,
     len: usize,
     write_touch: bool,
@@ -370,8 +386,9 @@ fn prefault(
         }
     }
     for_each_part(data, len, threads, |ptr, part| {
-        // SAFETY: `ptr..ptr + part` is a part of the mapping.
-        touch_pages(unsafe { NonNull::new_unchecked(ptr) }, part, write_touch);
+        // SAFETY: `ptr..ptr + part` is a part of the caller's mapping, and a part is touched by
+        // one thread only.
+        unsafe { touch_pages(NonNull::new_unchecked(ptr), part, write_touch) };
     });
     Ok("touch")
 }
@@ -389,13 +406,11 @@ fn for_each_part<T: Send>(
     let step = len.div_ceil(parts).next_multiple_of(HUGE_PAGE_BYTES);
     // An address, not a pointer, so that it can cross to the other threads.
     let base = data.as_ptr() as usize;
+    // Addresses only: `f` is the one to dereference them (`run` is called with `i < count`,
+    // so `start < len`).
     let run = |i: usize| {
         let start = i * step;
-        // SAFETY: `run` is only called with `i < count`, so `start < len`: in the mapping.
-        f(
-            unsafe { (base as *mut u8).add(start) },
-            step.min(len - start),
-        )
+        f((base as *mut u8).wrapping_add(start), step.min(len - start))
     };
     let count = len.div_ceil(step.max(1)).max(1);
     if count == 1 {
@@ -422,7 +437,11 @@ fn for_each_part<T: Send>(
 }
 
 /// Touch one byte per page: write a zero (fresh memory) or read (memory with contents).
-fn touch_pages(data: NonNull<u8>, len: usize, write: bool) {
+///
+/// # Safety
+/// `len` bytes at `data` are mapped, and writable when `write` (a zero is written into the
+/// first byte of each page).
+unsafe fn touch_pages(data: NonNull<u8>, len: usize, write: bool) {
     let page = page_size();
     let mut off = 0;
     while off < len {

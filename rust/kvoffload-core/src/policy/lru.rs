@@ -3,7 +3,8 @@
 //! Every resident chunk has a rank `(major, minor)`; eviction takes evictable, unprotected
 //! chunks in ascending `(rank, key bytes)` order. A counter issues fresh ranks `(k, 0)`, from 0 up. A
 //! request takes one rank `k` from the same counter at its first access, and its chunks with a
-//! known token position `p` rank `(k, -p)`: tails before heads of the same request.
+//! known token position `p` rank `(k, -p)`: tails before heads of the same request. (`-p`
+//! saturates: `i64::MIN`, which the manager refuses, ranks as `i64::MIN + 1` does.)
 //!
 //! The evictable chunks live in an [`EvictionOrder`] keyed by `(major, minor)`: fresh ranks
 //! append in O(1), older ranks (a chunk evictable again, a token position) take a B-tree insert.
@@ -96,7 +97,7 @@ impl CachePolicy for LruPolicy {
         self.resident[chunk as usize] = true;
         // Pending: held at its rank (a batch's chunks side by side), released there in O(1).
         if let Some(p) = key.position {
-            let r = (self.request_rank(rank), -p);
+            let r = (self.request_rank(rank), p.saturating_neg());
             self.order.insert_held(chunk, r);
         } else {
             // A fresh rank sorts last: straight to the tail.
@@ -144,7 +145,7 @@ impl CachePolicy for LruPolicy {
             let (Some(c), Some(p)) = (a.chunk, a.position) else {
                 continue;
             };
-            let r = (request_rank, -p);
+            let r = (request_rank, p.saturating_neg());
             if self.order.last_key(c) < r {
                 self.set_rank(c, r);
             }
@@ -374,5 +375,26 @@ mod tests {
             t
         })
         .unwrap();
+    }
+
+    #[test]
+    fn the_lowest_position_ranks_without_overflow() {
+        // `-i64::MIN` is no i64: the rank saturates (the manager refuses that position anyway).
+        let ks = keys(3);
+        let mut p = LruPolicy::new(3);
+        let mut r = None;
+        ready(&mut p, 0, Some(i64::MIN), &mut r);
+        ready(&mut p, 1, Some(i64::MAX), &mut r);
+        assert_eq!(p.order.last_key(0), (0, i64::MAX));
+        let at = |c: ChunkId| Access {
+            key: b"",
+            hash: 0,
+            chunk: Some(c),
+            position: Some(i64::MIN),
+        };
+        let mut later = None;
+        p.on_request_access(&[at(0), at(1)], &mut later);
+        assert_eq!(p.order.last_key(1), (1, i64::MAX));
+        assert_eq!(evict(&mut p, 2, &ks, &[]), Some(vec![0, 1]));
     }
 }

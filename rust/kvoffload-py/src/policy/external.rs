@@ -13,7 +13,10 @@
 //!
 //! A method that raises does not unwind through the core: the first exception of a call is
 //! kept and [`CachePolicy::failed`] tells the core, which undoes its call where it can (see
-//! `Manager::with_policy`); the binding then re-raises the exception unchanged.
+//! `Manager::with_policy`); the binding then re-raises the exception unchanged. That holds for
+//! a `PanicException` too (from some other `PyO3` extension the policy called): `PyO3` restarts
+//! the Rust panic when it takes that exception, and [`shield`] catches it here, where the
+//! policy was called, before it could unwind through the core and its locks.
 
 use kvoffload_core::policy::{Access, CachePolicy, FinishedKey, PolicyState, RequestRank};
 use kvoffload_core::{group_of, ChunkId, CoreError, Result, Slots};
@@ -129,9 +132,10 @@ impl PythonPolicy {
     /// Call `method(keys, ctx)` (`touch`, `on_store_miss`, `on_request_access`).
     fn call_with_keys(&mut self, method: &Bound<'_, PyString>, keys: &[Access<'_>]) {
         let py = method.py();
-        let result = self
-            .key_list(py, keys)
-            .and_then(|list| self.obj.call_method1(py, method, (list, self.ctx(py))));
+        let result = shield(|| {
+            self.key_list(py, keys)
+                .and_then(|list| self.obj.call_method1(py, method, (list, self.ctx(py))))
+        });
         self.check(result);
     }
 
@@ -141,7 +145,7 @@ impl PythonPolicy {
         let Some(rec) = self.records.get(chunk as usize).and_then(Option::as_ref) else {
             return;
         };
-        let result = self.obj.call_method1(py, method, (rec.key.clone_ref(py),));
+        let result = shield(|| self.obj.call_method1(py, method, (rec.key.clone_ref(py),)));
         self.check(result);
     }
 
@@ -200,6 +204,22 @@ impl PythonPolicy {
     }
 }
 
+/// Run `f` (calls into the policy's Python code), turning a Rust panic that unwinds out of it
+/// into a `PanicException` it returns: `PyO3` restarts a panic when it takes a `PanicException`
+/// that Python code raised, and unwinding on through the core would skip its undo of the call
+/// and poison its locks.
+fn shield<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let msg = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("panic from Rust code")
+            .to_owned();
+        Err(pyo3::panic::PanicException::new_err(msg))
+    })
+}
+
 impl CachePolicy for PythonPolicy {
     fn grow(&mut self, n: usize) {
         if n > self.records.len() {
@@ -209,7 +229,7 @@ impl CachePolicy for PythonPolicy {
 
     fn insert(&mut self, chunk: ChunkId, key: Access<'_>, _rank: &mut RequestRank) {
         Python::attach(|py| {
-            let result = (|| {
+            let result = shield(|| {
                 let status = self.status_cls.bind(py).call1((chunk,))?;
                 let key_obj = self.key_obj(py, key.key).cast_into::<PyBytes>()?;
                 self.records[chunk as usize] = Some(Record {
@@ -218,7 +238,7 @@ impl CachePolicy for PythonPolicy {
                 });
                 self.obj
                     .call_method1(py, intern!(py, "insert"), (key_obj, status, self.ctx(py)))
-            })();
+            });
             if self.check(result).is_none() {
                 // Taken not to have happened: the manager does not report it removed.
                 self.records[chunk as usize] = None;
@@ -247,7 +267,7 @@ impl CachePolicy for PythonPolicy {
 
     fn on_request_finished(&mut self, keys: &[FinishedKey<'_>]) {
         Python::attach(|py| {
-            let result = (|| {
+            let result = shield(|| {
                 // The head-to-tail order, split by KV group (ascending), is each group's order.
                 let mut groups: Vec<(u32, Vec<Bound<'_, PyAny>>)> = Vec::new();
                 let inserted_only = PySet::empty(py)?;
@@ -279,7 +299,7 @@ impl CachePolicy for PythonPolicy {
                     intern!(py, "on_request_finished"),
                     (groups, inserted_only, reused, self.ctx(py)),
                 )
-            })();
+            });
             self.check(result);
         });
     }
@@ -292,7 +312,7 @@ impl CachePolicy for PythonPolicy {
         out: &mut Vec<ChunkId>,
     ) -> bool {
         Python::attach(|py| {
-            let result = (|| {
+            let result = shield(|| {
                 // vLLM protects every key of the offer.
                 let protected = PySet::new(py, self.scope.keys.iter().map(|k| k.bind(py)))?;
                 let answer = self
@@ -304,7 +324,7 @@ impl CachePolicy for PythonPolicy {
                 }
                 Self::victims(py, answer, keys, out)?;
                 Ok(true)
-            })();
+            });
             match self.check(result) {
                 Some(true) => true,
                 Some(false) => false,
@@ -318,7 +338,7 @@ impl CachePolicy for PythonPolicy {
 
     fn clear(&mut self) {
         Python::attach(|py| {
-            let result = self.obj.call_method0(py, intern!(py, "clear"));
+            let result = shield(|| self.obj.call_method0(py, intern!(py, "clear")));
             self.check(result);
         });
         self.records.clear();
@@ -356,9 +376,7 @@ impl CachePolicy for PythonPolicy {
                 }
                 let status = rec.status.bind(py);
                 let read = |name: &str| {
-                    status
-                        .getattr(name)
-                        .and_then(|v| v.extract::<i64>())
+                    shield(|| status.getattr(name).and_then(|v| v.extract::<i64>()))
                         .map_err(|e| CoreError::Invariant(format!("status of chunk {c}: {e}")))
                 };
                 let (id, ref_cnt) = (read("chunk_id")?, read("ref_cnt")?);
@@ -387,7 +405,8 @@ impl CachePolicy for PythonPolicy {
     fn set_ref(&mut self, chunk: ChunkId, ref_cnt: i32) {
         Python::attach(|py| {
             if let Some(rec) = self.records.get(chunk as usize).and_then(Option::as_ref) {
-                let result = rec.status.bind(py).setattr(intern!(py, "ref_cnt"), ref_cnt);
+                let result =
+                    shield(|| rec.status.bind(py).setattr(intern!(py, "ref_cnt"), ref_cnt));
                 self.check(result);
             }
         });

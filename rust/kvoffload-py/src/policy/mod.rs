@@ -17,10 +17,11 @@ pub(crate) mod external;
 mod slots;
 pub(crate) mod state;
 
-use crate::errors::{poisoned, raise, to_py};
+use crate::errors::{invalid_key, poisoned, raise, to_py};
 use crate::keys::{one_key, Context, Keys};
 use crate::request::PolicyRequestRank;
 use kvoffload_core::policy::{Access, FinishedKey, RequestRank};
+use kvoffload_core::table::MAX_KEY_LEN;
 use kvoffload_core::{hash_key, ChunkId, ChunkState, PolicyKind, Slots};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -158,7 +159,21 @@ impl PolicyCore {
     ) -> PyResult<()> {
         one_key(key)?;
         let key_obj = key.cast::<PyBytes>()?;
-        let ref_cnt: i64 = chunk.getattr(intern!(py, "ref_cnt"))?.extract()?;
+        if key_obj.as_bytes().len() > MAX_KEY_LEN {
+            return Err(raise(
+                py,
+                "InvalidArgumentError",
+                format!("the key is too long to store ({MAX_KEY_LEN} bytes at most)"),
+            ));
+        }
+        let ref_cnt: i64 = chunk
+            .getattr(intern!(py, "ref_cnt"))
+            .and_then(|r| r.extract())
+            .map_err(|_| {
+                let ty = crate::keys::type_name(chunk);
+                let msg = format!("chunk must be a ChunkStatus (an int ref_cnt), got {ty}");
+                raise(py, "InvalidArgumentError", msg)
+            })?;
         let (position, stored) = if self.reads_positions {
             let ctx = Context::new(req_context)?;
             let position = ctx.position(key)?;
@@ -332,7 +347,14 @@ impl PolicyCore {
         req_context: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let mut objs: Vec<Bound<'_, PyBytes>> = Vec::new();
-        for group in key_groups.try_iter()? {
+        let groups = key_groups.try_iter().map_err(|_| {
+            let ty = crate::keys::type_name(key_groups);
+            invalid_key(
+                py,
+                format!("key_groups must be an iterable of key lists, got {ty}"),
+            )
+        })?;
+        for group in groups {
             objs.extend(Keys::extract(&group?)?.into_objs());
         }
         let ctx = Context::new(req_context)?;
@@ -384,9 +406,16 @@ impl PolicyCore {
     fn evict<'py>(
         &self,
         py: Python<'py>,
-        n: usize,
+        n: &Bound<'py, PyAny>,
         protected: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyList>>> {
+        let n: usize = n.extract().map_err(|_| {
+            let msg = format!(
+                "n must be an int >= 0, got {}",
+                n.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+            );
+            raise(py, "InvalidArgumentError", msg)
+        })?;
         if n == 0 {
             return Ok(Some(PyList::empty(py)));
         }

@@ -57,18 +57,23 @@ impl Ctx<'_> {
         }
         let map = map_shared(&fd, size)?;
         let file = ShmFile::new(fd, self.cpath.clone(), &st);
-        let mut region = Region::from_mapping(
-            map,
-            size,
-            self.page,
-            self.layout.total_bytes(),
-            size - self.page,
-            self.info(false),
-            file,
-        );
+        // SAFETY: `map` is the fresh mapping of all `size >= page` bytes of the file, owned by
+        // nothing else; `layout.total_bytes() <= size - page` is checked below before any use.
+        let mut region = unsafe {
+            Region::from_mapping(
+                map,
+                size,
+                self.page,
+                self.layout.total_bytes(),
+                size - self.page,
+                self.info(false),
+                file,
+            )
+        };
         // From here on, dropping `region` unmaps and releases.
-        self.wait_ready(header(map), map)?;
-        let h = header(map);
+        // SAFETY: `region` keeps `map` (at least a page, page-aligned) mapped while `h` is used.
+        let h = unsafe { header(map) };
+        self.wait_ready(h, map)?;
         let (n, cb) = (
             h.num_chunks.load(Ordering::Relaxed),
             h.chunk_bytes.load(Ordering::Relaxed),

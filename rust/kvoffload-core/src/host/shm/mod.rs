@@ -337,10 +337,14 @@ fn map_shared(fd: &OwnedFd, len: usize) -> Result<NonNull<u8>> {
     NonNull::new(p.cast()).ok_or_else(|| CoreError::Os("mmap returned null".into()))
 }
 
+/// The header at the start of a shared region's mapping.
+///
+/// # Safety
+/// `map` is a live, page-aligned mapping at least one page long that stays mapped for `'r`.
 #[allow(clippy::cast_ptr_alignment)] // mmap returns page-aligned addresses
-fn header<'r>(map: NonNull<u8>) -> &'r Header {
-    // SAFETY: every mapping passed here is at least one page long and page-aligned; the header
-    // is made of atomics, so shared access from several processes is sound.
+unsafe fn header<'r>(map: NonNull<u8>) -> &'r Header {
+    // SAFETY: the caller's mapping holds a page at `map`; the header is made of atomics, so
+    // shared access from several processes is sound.
     unsafe { &*map.as_ptr().cast::<Header>() }
 }
 
@@ -391,7 +395,9 @@ impl Ctx<'_> {
             }
         }
         let map = map_shared(&fd, total)?;
-        let h = header(map);
+        // SAFETY: `map` maps `total > page` bytes, page-aligned; it is unmapped below only on
+        // an error return, after the last use of `h`, or by the region made of it.
+        let h = unsafe { header(map) };
         // SAFETY: getpid has no preconditions.
         h.creator_pid
             .store(unsafe { libc::getpid() }, Ordering::Relaxed);
@@ -427,15 +433,19 @@ impl Ctx<'_> {
         }
         let st = fstat(&fd)?;
         let file = ShmFile::new(fd, self.cpath.clone(), &st);
-        let mut region = Region::from_mapping(
-            map,
-            total,
-            self.page,
-            self.layout.total_bytes(),
-            self.data_len,
-            self.info(true),
-            file,
-        );
+        // SAFETY: `map` is this call's own mapping of `total = page + data_len` bytes, and the
+        // layout's bytes fit in `data_len`.
+        let mut region = unsafe {
+            Region::from_mapping(
+                map,
+                total,
+                self.page,
+                self.layout.total_bytes(),
+                self.data_len,
+                self.info(true),
+                file,
+            )
+        };
         let result = self
             .spawn_janitor(st.st_dev, st.st_ino)
             .and_then(|()| self.test_stall())
