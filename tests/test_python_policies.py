@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import random
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ import _driver
 from _helpers import OWN_POLICY, VLLM_POLICIES
 from kvoffload import (
     CPUOffloadingManager,
+    InvalidArgumentError,
     KeyStateError,
     PolicyError,
     ReentrantCallError,
@@ -36,6 +38,7 @@ from kvoffload import (
 )
 from kvoffload.policies import POLICY_METHODS, CachePolicy, CachePolicyFactory, ChunkStatus
 from kvoffload.reference import CPUOffloadingManager as ReferenceManager
+from kvoffload.types import CPULoadStoreSpec, PrepareStoreOutput
 
 VLLM_MODULE = "kvoffload_test_vllm_policies"
 OWN_MODULE = "kvoffload_test_own_policies"
@@ -217,6 +220,78 @@ def test_factory_resolves_registered_names_then_module_paths(policy_modules: Pat
             2, cache_policy="ChunkStatus", cache_policy_module_path="kvoffload.policies"
         )
     assert CPUOffloadingManager(2).policy is None
+
+
+def _refusal(manager_cls: Any, module_path: Any) -> UnsupportedPolicyError:
+    """What building ``manager_cls`` with policy "MyPolicy" from ``module_path`` raises."""
+    with pytest.raises(UnsupportedPolicyError) as info:
+        manager_cls(4, cache_policy="MyPolicy", cache_policy_module_path=module_path)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("module_path", "says", "cause"),
+    [
+        ("kvoffload_test_no_such_module", "which was not found", ModuleNotFoundError),
+        ("kvoffload_test_no_such.module", "which was not found", ModuleNotFoundError),
+        ("kvoffload.no_such_module", "which was not found", ModuleNotFoundError),
+        ("", "must be an absolute module path", None),
+        (".relative", "must be an absolute module path", None),
+        (123, "must be a str", None),
+        (b"kvoffload.policies", "must be a str", None),
+    ],
+)
+def test_a_bad_module_path_is_an_unsupported_policy_in_both_managers(
+    module_path: Any, says: str, cause: type | None
+) -> None:
+    # Raised from the factory both managers resolve through: one class, one message, naming
+    # the policy and the path; an import's error stays chained for its traceback.
+    errors = [_refusal(cls, module_path) for cls in (CPUOffloadingManager, ReferenceManager)]
+    assert str(errors[0]) == str(errors[1])
+    assert says in str(errors[0])
+    assert "'MyPolicy'" in str(errors[0])
+    if cause is None:
+        assert all(e.__cause__ is None for e in errors)
+    else:
+        assert f"its module {module_path!r}" in str(errors[0])
+        assert all(type(e.__cause__) is cause for e in errors)
+    assert isinstance(errors[0], InvalidArgumentError)  # also a ValueError, as before for ""
+    with pytest.raises(UnsupportedPolicyError, match=re.escape(str(errors[0]))):
+        CachePolicyFactory.get_cache_policy_cls("MyPolicy", module_path)
+
+
+@pytest.mark.parametrize(
+    ("source", "cause", "shows"),
+    [
+        ("import kvoffload_test_missing_dependency\n", ModuleNotFoundError, "missing_dependency"),
+        ("raise RuntimeError('bad config')\n", RuntimeError, "RuntimeError: bad config"),
+        ("def broken(:\n", SyntaxError, "SyntaxError"),
+    ],
+)
+def test_a_policy_module_that_fails_while_importing_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, cause: type, shows: str
+) -> None:
+    # Found, then failed: not "not found", and the module's own error is kept as the cause
+    # (whose traceback runs into the module's line).
+    name = "kvoffload_test_broken_policy"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    errors = [_refusal(cls, name) for cls in (CPUOffloadingManager, ReferenceManager)]
+    assert str(errors[0]) == str(errors[1])
+    message = str(errors[0])
+    assert f"cache policy 'MyPolicy': cannot import its module {name!r}" in message
+    assert "failed while being imported" in message
+    assert shows in message
+    assert "not found" not in message
+    assert all(type(e.__cause__) is cause for e in errors)
+
+
+def test_a_registered_name_does_not_read_the_module_path() -> None:
+    # As in vLLM's factory: a registered name wins, whatever the path.
+    for path in ("no.such.module", "", 123):
+        assert CachePolicyFactory.get_cache_policy_cls("fifo", path).__name__ == "FifoPolicy"  # type: ignore[arg-type]
+        assert CPUOffloadingManager(2, cache_policy="arc", cache_policy_module_path=path)
 
 
 def test_chunk_status_matches_vllms_meaning() -> None:
@@ -588,6 +663,269 @@ def test_both_managers_undo_a_store_whose_insert_raises(failing_insert: int) -> 
         observed += [list(out.store_spec.chunk_ids), _snapshot(m), repr(m.get_stats())]
         seen.append(observed)
     assert seen[0] == seen[1]
+
+
+class Countdown(Flaky):
+    """Flaky, raising at the ``skip + 1``-th call of ``fail_in`` rather than the first; it also
+    keeps what ``on_request_access`` and ``on_request_finished`` are given (in ``heard``)."""
+
+    skip = 0
+    heard: list[Any]
+
+    def _maybe_fail(self, name: str) -> None:
+        if self.fail_in == name and self.skip:
+            self.skip -= 1
+            self.calls.append(name)
+            return
+        super()._maybe_fail(name)
+
+    def on_request_access(self, keys: Any, req_context: Any) -> None:
+        self.heard.append(("access", list(keys)))
+        super().on_request_access(keys, req_context)
+
+    def on_request_finished(self, groups: Any, inserted: Any, reused: Any, ctx: Any) -> None:
+        self.heard.append(("finished", [list(g) for g in groups], sorted(inserted), sorted(reused)))
+        super().on_request_finished(groups, inserted, reused, ctx)
+
+
+def _countdown_manager(manager_cls: Any, num_chunks: int, **kwargs: Any) -> Any:
+    m = _flaky_manager(num_chunks, manager_cls, **kwargs)
+    m.policy.__class__ = Countdown
+    m.policy.heard = []
+    return m
+
+
+def _outcome(call: Any) -> tuple[Any, ...]:
+    """What a call answered, comparable across the two managers (a manager's own error by its
+    type only: the two word their messages differently)."""
+    try:
+        out = call()
+    except KeyStateError as e:
+        return ("raised", type(e).__name__)
+    except RuntimeError as e:
+        return ("raised", type(e).__name__, str(e))
+    if isinstance(out, CPULoadStoreSpec):
+        return ("ok", list(out.chunk_ids))
+    if isinstance(out, PrepareStoreOutput):
+        return ("ok", out.keys_to_store, list(out.store_spec.chunk_ids), out.evicted_keys)
+    return ("ok", out)
+
+
+_READY = [bytes([i]) * 4 for i in range(5)]
+_PENDING = [bytes([i]) * 4 for i in range(5, 8)]
+_A, _B, _C, _D, _E = _READY
+_P, _Q, _R = _PENDING
+_NEW = [bytes([i]) * 4 for i in range(8, 10)]
+
+#: Calls of a manager holding ready keys A-E (B pinned) and pending P, Q, R, request "s" having
+#: seen them all: (the policy method that raises, how many of its reports the call makes, the
+#: call, what prepares it, the call whose clean run the failing call must end like (None: the
+#: failing call must change nothing)). A call gets the manager, the contexts and the clock.
+RAISING_CALLS: dict[str, tuple[str, int, Any, Any, Any]] = {
+    "complete_store": (
+        "mark_evictable",
+        3,
+        lambda m, ctx, now: m.complete_store([_P, _A, _Q, _Q, _R], ctx["s"]),
+        None,
+        "same",
+    ),
+    "complete_store failed": (
+        "remove",
+        3,
+        lambda m, ctx, now: m.complete_store([_P, _A, _Q, _Q, _R], ctx["s"], success=False),
+        None,
+        "same",
+    ),
+    "complete_load": (
+        "mark_evictable",
+        3,  # A, D, then C at its second unpin
+        lambda m, ctx, now: m.complete_load([_A, _C, _D, _C], ctx["s"]),
+        lambda m, ctx: m.prepare_load([_A, _C, _D, _C], ctx["s"]),
+        "same",
+    ),
+    "prepare_load": (
+        "mark_non_evictable",
+        3,  # A, C, D: B is pinned already and A's second pin is no report
+        lambda m, ctx, now: m.prepare_load([_A, _B, _C, _A, _D], ctx["s"]),
+        None,
+        None,
+    ),
+    "prepare_load of a new request": (
+        "on_request_access",
+        1,
+        lambda m, ctx, now: m.prepare_load([_A, _B, _C, _A], ctx["new"]),
+        None,
+        None,
+    ),
+    "touch": ("touch", 1, lambda m, ctx, now: m.touch([_A, _P, _NEW[0]], ctx["s"]), None, "same"),
+    "on_request_finished": (
+        "on_request_finished",
+        1,
+        lambda m, ctx, now: m.on_request_finished(ctx["s"]),
+        None,
+        "same",
+    ),
+    "reset_cache": ("clear", 1, lambda m, ctx, now: m.reset_cache(), None, "same"),
+    "expire_pending_writes": (
+        "remove",
+        3,
+        lambda m, ctx, now: (now.append(10.0), m.expire_pending_writes(5.0))[1],
+        None,
+        "same",
+    ),
+    "prepare_store expiring": (
+        "remove",
+        3,  # the expiry fails: no offer is made
+        lambda m, ctx, now: (now.append(10.0), m.prepare_store(_NEW, ctx["s"]))[1],
+        None,
+        lambda m, ctx, now: (now.append(10.0), m.expire_pending_writes(5.0))[1],
+    ),
+}
+
+RAISING_CASES = [
+    pytest.param(name, skip, id=f"{name}-{RAISING_CALLS[name][0]}-{skip + 1}")
+    for name, (_, reports, *_) in RAISING_CALLS.items()
+    for skip in range(reports)
+]
+
+
+def _raising_run(manager_cls: Any, name: str, skip: int | None) -> tuple[list[Any], list[Any]]:
+    """Run case ``name`` (the policy raising at report ``skip``; None: not at all, the call
+    being the case's clean twin); returns what the call left, and what followed."""
+    method, _, call, prep, same_as = RAISING_CALLS[name]
+    now = [0.0]
+    m = _countdown_manager(manager_cls, 10, pending_write_timeout=5.0, clock=lambda: now[-1])
+    policy = m.policy
+    ctx = {"s": ReqContext(req_id="s"), "new": ReqContext(req_id="new")}
+    m.prepare_store(_READY + _PENDING, ctx["s"])
+    m.complete_store(_READY, ctx["s"])
+    m.prepare_load([_B], ctx["s"])
+    if prep is not None:
+        prep(m, ctx)
+    list(m.take_events())
+    m.get_stats()  # the setup's samples
+    before = [_snapshot(m), repr(m.get_stats())]
+    policy.calls.clear()
+    policy.heard.clear()
+    if skip is None:
+        if same_as is None:
+            return [*before, []], []  # a failing call must leave this
+        outcome = _outcome(lambda: (call if same_as == "same" else same_as)(m, ctx, now))
+    else:
+        policy.fail_in, policy.skip = method, skip
+        outcome = _outcome(lambda: call(m, ctx, now))
+        assert outcome == ("raised", "RuntimeError", f"policy failed in {method}")
+        assert policy.fail_in is None  # it raised where it was told to
+    _policy_agrees(m)
+    left = [_snapshot(m), repr(m.get_stats()), list(m.take_events())]
+    # What follows: the call again, then every pending store completed, every ready key loaded
+    # by a new request, and every request finished.
+    followed: list[Any] = [outcome, list(policy.calls), _outcome(lambda: call(m, ctx, now))]
+    everything = [*_READY, *_PENDING, *_NEW]
+    followed.append([m.lookup(k, ctx["s"]) for k in everything])
+    m.complete_store(sorted(k for k, (_, r) in m.resident().items() if r == -1), ctx["s"])
+    ready = sorted(k for k, (_, r) in m.resident().items() if r >= 0)
+    last = ReqContext(req_id="last")
+    followed.append(_outcome(lambda: m.prepare_load(ready, last)))
+    m.complete_load(ready, last)
+    for c in (*ctx.values(), last):
+        m.on_request_finished(c)
+    _policy_agrees(m)
+    followed += [_snapshot(m), list(m.take_events()), repr(m.get_stats()), policy.calls]
+    followed.append(policy.heard)
+    return left, followed
+
+
+@pytest.mark.parametrize(("name", "skip"), RAISING_CASES)
+def test_both_managers_complete_or_undo_a_call_whose_policy_raises(name: str, skip: int) -> None:
+    """A policy method raising at any of a call's reports: a load changes nothing (pins already
+    reported are reported released), any other call completes (ending as the same call with no
+    failure), and the first exception is raised; the same in both managers, with the same
+    policy calls, and the same calls after it."""
+    seen = []
+    for manager_cls in (CPUOffloadingManager, ReferenceManager):
+        left, followed = _raising_run(manager_cls, name, skip)
+        clean, _ = _raising_run(manager_cls, name, None)
+        assert left == clean
+        seen.append((left, followed))
+    assert seen[0] == seen[1]
+
+
+def test_a_load_whose_report_raises_reports_released_what_it_pinned() -> None:
+    """The policy hears of each pin taken back (last first); the key whose report raised is
+    released unreported; in both managers."""
+    seen = []
+    for manager_cls in (CPUOffloadingManager, ReferenceManager):
+        m = _countdown_manager(manager_cls, 8)
+        ctx = ReqContext(req_id="r")
+        m.prepare_store(_READY, ctx)
+        m.complete_store(_READY, ctx)
+        m.prepare_load([_B], ctx)
+        before = _snapshot(m)
+        m.policy.fail_in, m.policy.skip = "mark_non_evictable", 2
+        m.policy.calls.clear()
+        with pytest.raises(RuntimeError, match="mark_non_evictable"):
+            m.prepare_load([_A, _B, _C, _A, _D, _E], ctx)
+        assert m.policy.calls == ["mark_non_evictable"] * 3 + ["mark_evictable"] * 2
+        assert _snapshot(m) == before
+        _policy_agrees(m)
+        seen.append(m.policy.calls)
+    assert seen[0] == seen[1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_both_managers_agree_under_a_randomly_failing_policy(seed: int) -> None:
+    """The same random calls, the policy raising now and then at some report of one: both
+    managers answer, raise, change and tell the policy exactly the same at every step."""
+    runs = []
+    for manager_cls in (CPUOffloadingManager, ReferenceManager):
+        rng = random.Random(seed)
+        m = _countdown_manager(manager_cls, 6, store_threshold=2, max_tracker_size=8)
+        policy: Countdown = m.policy
+        keys = [bytes([i]) * 6 for i in range(14)]
+        contexts = [ReqContext(req_id=str(i)) for i in range(3)]
+        pins: list[tuple[bytes, ReqContext]] = []
+        log: list[Any] = []
+        for _ in range(300):
+            if rng.random() < 0.4:
+                policy.fail_in, policy.skip = rng.choice(FLAKY_METHODS), rng.randrange(3)
+            ctx = rng.choice(contexts)
+            pending = sorted(k for k, (_, r) in m.resident().items() if r == -1)
+            ready = sorted(k for k, (_, r) in m.resident().items() if r >= 0)
+            op = rng.choice(["store", "complete", "fail", "load", "unload", "touch", "finish"])
+            if op == "store":
+                call = functools.partial(m.prepare_store, rng.sample(keys, rng.randint(1, 4)), ctx)
+            elif op in ("complete", "fail"):
+                chosen = rng.sample(pending, min(len(pending), rng.randint(0, 3)))
+                call = functools.partial(m.complete_store, chosen, ctx, op == "complete")
+            elif op == "load":
+                chosen = rng.sample(ready, min(len(ready), rng.randint(0, 3)))
+                chosen += chosen[:1]  # a repeat: pinned twice
+
+                def call(chosen: list[bytes] = chosen, ctx: ReqContext = ctx) -> Any:
+                    out = m.prepare_load(chosen, ctx)  # noqa: B023 (this manager)
+                    pins.extend((k, ctx) for k in chosen)  # noqa: B023
+                    return out
+
+            elif op == "unload" and pins:
+                k, c = pins.pop(rng.randrange(len(pins)))
+                call = functools.partial(m.complete_load, [k], c)
+            elif op == "touch":
+                call = functools.partial(m.touch, rng.sample(keys, 3), ctx)
+            elif op == "finish":
+                contexts[contexts.index(ctx)] = ReqContext(req_id=str(rng.random()))
+                call = functools.partial(m.on_request_finished, ctx)
+            elif rng.random() < 0.05:
+                call = m.reset_cache
+                pins.clear()
+            else:
+                continue
+            log.append((op, _outcome(call), _snapshot(m), list(m.take_events())))
+            log.append(repr(m.get_stats()))
+            _policy_agrees(m)
+        log += [policy.calls, policy.heard]
+        runs.append(log)
+    assert runs[0] == runs[1]
 
 
 def _panic_exception() -> type[BaseException]:

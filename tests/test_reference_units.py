@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence, Set
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +28,7 @@ from kvoffload.reference import (
     CPUOffloadingManager,
     LruPolicy,
 )
+from kvoffload.reference import manager as reference_manager
 from kvoffload.reference.lru import _RequestRank
 from kvoffload.reference.manager import _RequestState
 from kvoffload.types import (
@@ -785,6 +788,44 @@ def test_legal_repeats_and_any_key_length() -> None:
     assert m.resident()[odd[1]] == (1, 0)
     assert m.lookup(odd[2], ctx) is LookupResult.HIT
     assert m.lookup_prefix([odd[0], odd[1], key(7), odd[2]], ctx) == 2
+    m.check_invariants()
+
+
+#: The Rust core's sources, read for the limit and the message the reference must match.
+RUST_CORE = Path(__file__).resolve().parent.parent / "rust" / "kvoffload-core" / "src"
+
+
+def test_a_key_too_long_to_store_is_refused_as_by_the_rust_manager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A key of 4 GiB is too big for a test: the limit and the message are read from the Rust
+    # source (whose format's {i} and {MAX_KEY_LEN} are str.format's too), and a lower limit
+    # makes small keys too long.
+    table = (RUST_CORE / "table.rs").read_text()
+    assert "pub const MAX_KEY_LEN: usize = u32::MAX as usize;" in table
+    assert reference_manager.MAX_KEY_LEN == 2**32 - 1
+    source = (RUST_CORE / "manager.rs").read_text()
+    found = re.search(r'fn check_key_lengths.*?format!\(\s*"([^"]*)"', source, re.DOTALL)
+    assert found is not None
+    template = found.group(1)
+    monkeypatch.setattr(reference_manager, "MAX_KEY_LEN", 8)
+    m, ctx = populated("lru")
+    before = snapshot(m, ctx)
+    fresh = ReqContext("p")
+    long = b"L" * 9
+    # The first too long key is named, before any repeat is looked for (as in the Rust manager).
+    for offer, i in [([long], 0), ([b"s" * 8, b"", long, long], 2)]:
+        with pytest.raises(InvalidArgumentError) as info:
+            m.prepare_store(offer, fresh)
+        assert str(info.value) == template.format(i=i, MAX_KEY_LEN=8)
+        assert snapshot(m, ctx) == before
+        assert fresh.get_state(_RequestState) is None
+        m.check_invariants()
+    # A key of the limit's length is stored.
+    m = CPUOffloadingManager(4)
+    out = m.prepare_store([b"s" * 8, b""], fresh)
+    assert out is not None
+    assert out.keys_to_store == [b"s" * 8, b""]
     m.check_invariants()
 
 

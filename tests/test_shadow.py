@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
+import _driver
 from kvoffload import (
     CPUOffloadingManager,
     InvalidArgumentError,
@@ -140,3 +144,180 @@ def test_counts_from_several_threads_add_up() -> None:
     for c in m.shadow_report():
         assert (c.lookups, c.hits) == (total, hits)
         assert sum(r.get((c.role, c.policy), 0) for r in reported) == total
+
+
+# --- shadows observe: they never change the outcome of a live call ---
+
+
+def _state(m: CPUOffloadingManager) -> dict[str, Any]:
+    """The live manager's state: what a plain manager and its shadowed twin must agree on."""
+    m.check_invariants()
+    return {
+        "resident": m.resident(),
+        "policy_state": m.policy_state(),
+        "pool_state": m.pool_state(),
+        "tracker_state": m.tracker_state(),
+        "pending": m.num_pending_writes(),
+    }
+
+
+def _store(m: CPUOffloadingManager, keys: list[bytes], ctx: ReqContext) -> None:
+    out = m.prepare_store(keys, ctx)
+    assert out is not None
+    m.complete_store(out.keys_to_store, ctx)
+
+
+def _finished_request_saw_a_key_its_shadow_lacked(m: CPUOffloadingManager) -> ReqContext:
+    """Under LRU with a FIFO shadow: request "r" loads A, which the shadow had evicted, and ends.
+
+    Its shadow request never records A (a shadow loads only the keys it holds), so the shadow
+    refuses the finished request's later, legal, loads and stores of A.
+    """
+    a, b, c = KEYS[:3]
+    s = ReqContext(req_id="s")
+    _store(m, [a, b], s)
+    m.touch([a], s)  # LRU: A most recent; FIFO: unchanged
+    _store(m, [c], s)  # live {A, C}; the FIFO shadow evicted A: {B, C}
+    r = ReqContext(req_id="r")
+    m.on_new_request(r)
+    m.prepare_load([a], r)
+    m.complete_load([a], r)
+    m.on_request_finished(r)
+    return r
+
+
+def _last_call_as_without_shadows(
+    make: Callable[..., CPUOffloadingManager],
+    setup: Callable[[CPUOffloadingManager], ReqContext],
+    last: Callable[[CPUOffloadingManager, ReqContext], Any],
+    shadow_policy: str,
+) -> tuple[CPUOffloadingManager, CPUOffloadingManager, list[Any]]:
+    """``setup`` then ``last`` on a plain manager and on its twin with one shadow.
+
+    The last call must return the same answer on both and leave the same live state, and the
+    shadow that cannot follow it must skip it (unchanged, counted once). Returns both managers
+    and each one's context from ``setup``.
+    """
+    plain, shadowed = make(), make(shadow_policies=[shadow_policy])
+    contexts = [setup(plain), setup(shadowed)]
+    assert _state(plain) == _state(shadowed)
+    shadow = shadowed._shadows.shadows[0].core  # type: ignore[attr-defined]
+    before = shadow.resident(), shadow.policy_state(), shadow.pool_state()
+    answers = [last(plain, contexts[0]), last(shadowed, contexts[1])]
+    assert answers[0] == answers[1]
+    assert _state(plain) == _state(shadowed)
+    assert (shadow.resident(), shadow.policy_state(), shadow.pool_state()) == before
+    shadow.check_invariants()
+    skipped = {(c.role, c.policy): c.skipped_calls for c in shadowed.shadow_report()}
+    assert skipped == {("live", plain.policy_state()["policy"]): 0, ("shadow", shadow_policy): 1}
+    return plain, shadowed, contexts
+
+
+def test_a_finished_requests_load_its_shadow_refuses_is_answered_as_without_shadows() -> None:
+    # The load is legal (r saw A before it finished); the shadow, holding A again by then, would
+    # have r record A anew and raised RequestFinishedError after the live manager pinned A.
+    a = KEYS[0]
+
+    def setup(m: CPUOffloadingManager) -> ReqContext:
+        r = _finished_request_saw_a_key_its_shadow_lacked(m)
+        _store(m, [a], ReqContext(req_id="t"))  # the shadow holds A again
+        return r
+
+    def load(m: CPUOffloadingManager, r: ReqContext) -> Any:
+        return m.prepare_load([a], r)
+
+    make = functools.partial(CPUOffloadingManager, 2, cache_policy="lru")
+    plain, shadowed, (r0, r1) = _last_call_as_without_shadows(make, setup, load, "fifo")
+    assert shadowed.resident()[a] == (0, 1)  # pinned live, and the spec was returned
+    plain.complete_load([a], r0)
+    shadowed.complete_load([a], r1)
+    assert _state(plain) == _state(shadowed)
+    assert shadowed.lookup(a, r1).name == "HIT"  # the shadow follows the calls after it
+    assert [(c.lookups, c.hits) for c in shadowed.shadow_report()] == [(1, 1), (1, 1)]
+
+
+def test_a_finished_requests_store_its_shadow_refuses_is_answered_as_without_shadows() -> None:
+    # The store is legal (r saw A); the shadow raised after the live manager had evicted E and
+    # placed A pending, so the caller never learned the keys to store.
+    a, e, f = KEYS[0], KEYS[4], KEYS[5]
+
+    def setup(m: CPUOffloadingManager) -> ReqContext:
+        r = _finished_request_saw_a_key_its_shadow_lacked(m)
+        _store(m, [e, f], ReqContext(req_id="u"))  # A leaves the live cache
+        return r
+
+    def store(m: CPUOffloadingManager, r: ReqContext) -> Any:
+        return m.prepare_store([a], r)
+
+    make = functools.partial(CPUOffloadingManager, 2, cache_policy="lru", enable_events=True)
+    plain, shadowed, (r0, r1) = _last_call_as_without_shadows(make, setup, store, "fifo")
+    assert shadowed.resident()[a] == (0, -1)  # pending live: the caller has its keys to store
+    for m, r in ((plain, r0), (shadowed, r1)):
+        m.complete_store([a], r)
+    assert _state(plain) == _state(shadowed)
+    assert list(plain.take_events()) == list(shadowed.take_events())
+
+
+def test_a_position_only_a_shadow_reads_leaves_the_live_call_as_without_shadows() -> None:
+    # ARC reads no token position while storing (it reads them at the finish), an LRU shadow
+    # does: its refusal of a float came after the live store had been placed. The live call
+    # stands; the bad position is refused where the live policy reads it, as without shadows.
+    key = KEYS[0]
+
+    def setup(m: CPUOffloadingManager) -> ReqContext:
+        ctx = ReqContext(req_id="r")
+        ctx.set_offload_key_position(key, 1.5)  # type: ignore[arg-type]
+        return ctx
+
+    def store(m: CPUOffloadingManager, ctx: ReqContext) -> Any:
+        return m.prepare_store([key], ctx)
+
+    make = functools.partial(CPUOffloadingManager, 4, cache_policy="arc")
+    plain, shadowed, contexts = _last_call_as_without_shadows(make, setup, store, "lru")
+    for m, ctx in zip((plain, shadowed), contexts, strict=True):
+        m.complete_store([key], ctx)
+        with pytest.raises(InvalidArgumentError, match="token position must be an int"):
+            m.on_request_finished(ctx)
+    assert _state(plain) == _state(shadowed)
+
+
+def _without_shadow_counters(m: CPUOffloadingManager) -> CPUOffloadingManager:
+    """``m`` with its ``get_stats`` leaving out the shadows' counters (all else is the live's)."""
+    get_stats = m.get_stats
+
+    def stats() -> Any:
+        out = get_stats()
+        for part in ("types", "data"):
+            for name in (SHADOW_LOOKUPS, SHADOW_HITS):
+                out.data[part].pop(name, None)
+        return out
+
+    m.get_stats = stats  # type: ignore[method-assign]
+    return m
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "fifo", "s3fifo"])
+def test_shadows_never_change_what_a_legal_call_does(policy: str) -> None:
+    # The differential driver's legal sequences (finished requests' late loads and stores
+    # included) on a plain manager and on one shadowed by every other built-in policy: every
+    # answer, event, stats payload and state must be the same. The shadows, whose caches
+    # differ, cannot follow some calls; those they skip.
+    made: list[CPUOffloadingManager] = []
+
+    def make(**kwargs: Any) -> CPUOffloadingManager:
+        others = [p for p in BUILTIN_POLICIES if p != policy]
+        made.append(
+            _without_shadow_counters(CPUOffloadingManager(**kwargs, shadow_policies=others))
+        )
+        return made[-1]
+
+    plain = _driver.impl_spec("rust")
+    specs = [plain, _driver.ImplSpec("rust+shadows", make, ReqContext, plain.state)]  # type: ignore[arg-type]
+    for seed in range(30):
+        result = _driver.run_sequence(specs, policy, 1 + seed % 2, seed, calls=250)
+        if result.mismatch is not None:
+            pytest.fail(result.mismatch.report(20), pytrace=False)
+    report = [c for m in made for c in m.shadow_report()]
+    assert all(c.skipped_calls == 0 for c in report if c.role == "live")
+    assert sum(c.lookups for c in report if c.role == "shadow") > 0
+    assert sum(c.skipped_calls for c in report) > 0  # the sequences reach the calls in question

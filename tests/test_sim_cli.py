@@ -171,6 +171,7 @@ def test_sim_unimportable_policy_module_is_a_clear_error(
     err = capsys.readouterr().err
     assert err.startswith("kvoffload sim: error: cache policy 'MRUPolicy': cannot import")
     assert "No module named 'kvoffload_test_nope'" in err
+    assert "looks for it in the current folder" in err
     assert not list(tmp_path.iterdir())
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from _helpers import (
     PENDING,
     SKIPPED,
@@ -23,6 +25,7 @@ from _helpers import (
     target,
 )
 from kvoffload import (
+    InvalidArgumentError,
     ReqContext,
 )
 
@@ -118,6 +121,17 @@ def test_arc_store_miss_remembers_keys_the_request_stored(make_manager: MakeMana
     assert out.evicted_keys == ks(2)
     assert arc_lists(m) == (ks(3, 1), [], ks(2), [])
     assert target(m) == 0.0
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [-1, 4.5, float("nan"), float("inf"), "1", True, None])
+def test_arc_debug_target_is_a_number_within_the_cache(make_manager: MakeManager, bad: Any) -> None:
+    # A test-only setter, refused alike by both managers (the Rust one took 100 on a 4-chunk
+    # cache and then failed its own check; the reference took NaN and -1).
+    m = make_manager(4, cache_policy="arc")
+    m._debug_set_arc_target(4)
+    with pytest.raises(InvalidArgumentError, match="ARC target must"):
+        m._debug_set_arc_target(bad)
     m.check_invariants()
 
 

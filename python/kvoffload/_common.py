@@ -99,6 +99,16 @@ def check_context(req_context: object) -> None:
         )
 
 
+def arc_target(value: object, num_chunks: int) -> float:
+    """A target size for ARC's T1 (``_debug_set_arc_target``): a number in ``[0, num_chunks]``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgumentError(f"ARC target must be a number, got {type(value).__name__}")
+    target = float(value)
+    if not 0.0 <= target <= num_chunks:  # NaN fails too
+        raise InvalidArgumentError(f"ARC target must lie in [0, {num_chunks}], got {value!r}")
+    return target
+
+
 def config_info_of(info: object) -> dict[str, Any]:
     """One mapping of ``info``'s fields, with None values shown as the string "None"."""
     if info is None:

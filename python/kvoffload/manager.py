@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 from kvoffload import _native, types
 from kvoffload._common import (
+    arc_target,
     build_stats,
     check_admission,
     check_constructor_args,
@@ -69,8 +70,11 @@ class CPUOffloadingManager:
       raises after its ``evict`` succeeded, the evicted keys stay evicted (the policy dropped
       them) and their removal event is queued;
     - ``complete_load``, ``complete_store``, ``touch``, ``on_request_finished`` and
-      ``reset_cache`` complete, and every later policy method of the call is still made, so
-      the manager and the policy agree; the first exception is then raised;
+      ``reset_cache`` complete, and every later policy method of the call is still made; the
+      first exception is then raised. ``remove`` and ``clear`` are notifications the manager
+      cannot take back: a policy that raises from one must have dropped the key (all keys)
+      first, or it goes on holding keys the manager no longer has (its later ``evict``
+      answers naming them are refused with `kvoffload.PolicyError`);
     - an ``evict`` answer that breaks the contract raises `kvoffload.PolicyError`;
     - a policy method that calls back into its manager gets `kvoffload.ReentrantCallError`
       (``lookup`` and ``lookup_prefix`` excepted: they read the slot table without the lock).
@@ -321,7 +325,7 @@ class CPUOffloadingManager:
 
     def _debug_set_arc_target(self, value: float) -> None:
         """Set ARC's target size (tests only)."""
-        self._core.set_arc_target(value)
+        self._core.set_arc_target(arc_target(value, self._num_chunks))
 
     # --- liveness of pending writes ---
 

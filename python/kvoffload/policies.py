@@ -180,6 +180,45 @@ def status_class_for(cls: type) -> type:
     return ChunkStatus
 
 
+def _import_policy_module(module_path: object, name: str) -> Any:
+    """Import the module ``module_path`` that holds cache policy ``name``.
+
+    Whatever makes that fail is an `UnsupportedPolicyError` (chained to the import's own error,
+    whose traceback shows where it failed), saying whether the module was not found or failed
+    while it was being imported (its own code raised, or it imports something missing).
+    """
+    if not isinstance(module_path, str):
+        raise UnsupportedPolicyError(
+            f"cache policy {name!r}: cache_policy_module_path must be a str (a module path such "
+            f"as 'package.module') or None, got {type(module_path).__name__}"
+        )
+    if not module_path or module_path.startswith("."):
+        # importlib's own errors for these (ValueError, TypeError) say less.
+        raise UnsupportedPolicyError(
+            f"cache policy {name!r}: cache_policy_module_path must be an absolute module path "
+            f"such as 'package.module', got {module_path!r}"
+        )
+    try:
+        return importlib.import_module(module_path)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_path == e.name or module_path.startswith(e.name + ".")):
+            raise UnsupportedPolicyError(
+                f"cache policy {name!r}: cannot import its module {module_path!r}, which was "
+                f"not found ({e})"
+            ) from e
+        raise _failed_import(module_path, name, e) from e
+    except Exception as e:
+        raise _failed_import(module_path, name, e) from e
+
+
+def _failed_import(module_path: str, name: str, e: Exception) -> UnsupportedPolicyError:
+    """The error for a policy module that was found but raised while it was being imported."""
+    return UnsupportedPolicyError(
+        f"cache policy {name!r}: cannot import its module {module_path!r}, which failed while "
+        f"being imported: {type(e).__name__}: {e}"
+    )
+
+
 class CachePolicyFactory:
     """Policies by name: registered names first, then a class imported from a module path.
 
@@ -220,7 +259,13 @@ class CachePolicyFactory:
 
     @classmethod
     def get_cache_policy_cls(cls, name: str, module_path: str | None = None) -> type:
-        """The class registered as ``name``, else class ``name`` of module ``module_path``."""
+        """The class registered as ``name``, else class ``name`` of module ``module_path``.
+
+        Raises `UnsupportedPolicyError` when it cannot: an unknown name without a module path, a
+        module path that is not an absolute module name, a module that is not found or fails
+        while being imported (chained to the import's error), or no such policy class in it.
+        A registered name wins: ``module_path`` is then not read.
+        """
         if not isinstance(name, str):
             raise UnsupportedPolicyError(f"cache_policy must be a str, got {type(name).__name__}")
         class_name = name
@@ -231,7 +276,7 @@ class CachePolicyFactory:
                 f"Unknown cache policy: {name!r}. Supported: {list(cls._registry)}. "
                 "For an out-of-tree policy, also set cache_policy_module_path."
             )
-        module = importlib.import_module(module_path)
+        module = _import_policy_module(module_path, name)
         try:
             found = getattr(module, class_name)
         except AttributeError:

@@ -12,6 +12,18 @@ chunks) and sees every call the live manager completes without error:
 - ``touch``, ``on_new_request``, ``on_request_finished``, ``reset_cache``: passed on;
 - ``prepare_store``: offered to the shadow, whose store completes at once.
 
+Shadows observe: they never change the outcome of a live call. A call reaches the shadows only
+after the live manager completed it, and whatever a shadow raises while following it is caught
+there: the shadow skips the call (a refused call changes nothing in it) and counts it in its
+``skipped_calls`` (``shadow_report()``), and the live call returns its own answer. A shadow
+refuses what the live manager accepted when its cache, and so its request bookkeeping, differs (a
+finished request loads or stores a key that its shadow request never recorded, because the
+shadow did not hold the key when the live request used it), or when only its policy reads a
+token position during the call (an ``lru`` shadow of an ``arc`` manager, given a float position:
+the live manager refuses that where ARC reads it, at ``on_request_finished``, as it would without
+shadows). With no call skipped a shadow's counts are exactly the what-if of the traffic; each
+skipped call makes it that much less faithful.
+
 So a shadow answers "what would the hit rate have been under policy X on the same requests", with
 transfers taken as instantaneous. ``get_stats()`` reports, per policy, the keys looked up and the
 keys that hit since the last report (counters ``kvoffload:shadow_lookup_keys`` and
@@ -45,6 +57,8 @@ class HitCounts:
     role: str  # "live" or "shadow"
     lookups: int = 0
     hits: int = 0
+    #: Calls this shadow could not follow and skipped (see `kvoffload.shadow`); 0 for "live".
+    skipped_calls: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -126,67 +140,140 @@ class ShadowSet:
                 out.append(ctx)
             return out
 
-    def _count(self, live: tuple[int, int], shadows: list[tuple[int, int]]) -> None:
-        """Count ``(lookups, hits)`` for the live policy and for each shadow, at once."""
+    def _count(self, live: tuple[int, int], shadows: Sequence[tuple[int, int] | None]) -> None:
+        """Count ``(lookups, hits)`` for the live policy and for each shadow, at once.
+
+        A shadow's None is a lookup it could not follow: counted as skipped, not as a lookup.
+        """
         with self._lock:
             for c in (self.live_total, self.live_since_report):
                 c.lookups += live[0]
                 c.hits += live[1]
-            for s, (lookups, hits) in zip(self.shadows, shadows, strict=True):
-                s.count(lookups, hits)
+            for s, counts in zip(self.shadows, shadows, strict=True):
+                if counts is None:
+                    s.total.skipped_calls += 1
+                else:
+                    s.count(*counts)
+
+    def _skip(self, shadows: Iterable[_Shadow]) -> None:
+        """Count a call that each of ``shadows`` could not follow (it changed nothing there)."""
+        with self._lock:
+            for s in shadows:
+                s.total.skipped_calls += 1
+
+    def _follow(self, live_ctx: Any) -> list[ReqContext] | None:
+        """The shadow contexts of ``live_ctx``; None (every shadow skips the call) if unreadable.
+
+        The live call has just used the context, so this fails only for a context that fails
+        now where it worked a moment ago; the live answer stands either way.
+        """
+        try:
+            return self._contexts(live_ctx)
+        except Exception:
+            self._skip(self.shadows)
+            return None
+
+    # Every replay below catches what a shadow raises (any Exception: a shadow must not change
+    # the outcome of the live call, which is done) and counts the call as skipped there. A
+    # refused call changes nothing in a shadow, as in any manager.
 
     def lookup(self, key: bytes, live_result: Any) -> None:
         """Count a single lookup, live and in every shadow."""
-        shadows = [(1, int(s.core.lookup(key) is LookupResult.HIT)) for s in self.shadows]
+        shadows: list[tuple[int, int] | None] = []
+        for s in self.shadows:
+            try:
+                shadows.append((1, int(s.core.lookup(key) is LookupResult.HIT)))
+            except Exception:
+                shadows.append(None)
         self._count((1, int(live_result.name == "HIT")), shadows)
 
     def lookup_prefix(self, keys: Sequence[bytes], live_hits: int) -> None:
         """Count a prefix lookup, live and in every shadow."""
-        shadows = []
+        shadows: list[tuple[int, int] | None] = []
         for s in self.shadows:
-            hits = s.core.lookup_prefix(keys)
+            try:
+                hits = s.core.lookup_prefix(keys)
+            except Exception:
+                shadows.append(None)
+                continue
             shadows.append((_prefix_lookups(len(keys), hits), hits))
         self._count((_prefix_lookups(len(keys), live_hits), live_hits), shadows)
 
     def prepare_load(self, keys: Sequence[bytes], live_ctx: Any) -> None:
         """Load (and at once complete) the keys each shadow holds."""
-        for s, ctx in zip(self.shadows, self._contexts(live_ctx), strict=True):
-            present = s.core.resident_keys(keys)
-            if present:
-                s.core.prepare_load(present, ctx)
-                s.core.complete_load(present)
+        contexts = self._follow(live_ctx)
+        if contexts is None:
+            return
+        for s, ctx in zip(self.shadows, contexts, strict=True):
+            try:
+                present = s.core.resident_keys(keys)
+                if present:
+                    # Refused (nothing pinned) when a finished request loads a key its shadow
+                    # request never recorded: the shadow lacked it when the live request did not.
+                    s.core.prepare_load(present, ctx)
+                    s.core.complete_load(present)
+            except Exception:
+                self._skip((s,))
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Pass a touch on."""
         for s in self.shadows:
-            s.core.touch(keys)
+            try:
+                s.core.touch(keys)
+            except Exception:
+                self._skip((s,))
 
     def prepare_store(self, keys: Sequence[bytes], live_ctx: Any) -> None:
         """Offer the keys to every shadow; its store completes at once."""
-        for s, ctx in zip(self.shadows, self._contexts(live_ctx), strict=True):
-            out = s.core.prepare_store(keys, ctx)
-            if out is not None and out.keys_to_store:
-                s.core.complete_store(out.keys_to_store, success=True)
+        contexts = self._follow(live_ctx)
+        if contexts is None:
+            return
+        for s, ctx in zip(self.shadows, contexts, strict=True):
+            try:
+                # Refused (nothing placed or evicted) for a finished request's key its shadow
+                # request never recorded, or a token position only the shadow's policy reads.
+                out = s.core.prepare_store(keys, ctx)
+                if out is not None and out.keys_to_store:
+                    s.core.complete_store(out.keys_to_store, success=True)
+            except Exception:
+                self._skip((s,))
 
     def on_new_request(self, live_ctx: Any) -> None:
         """Give each shadow's context its request state."""
-        for s, ctx in zip(self.shadows, self._contexts(live_ctx), strict=True):
-            s.core.on_new_request(ctx)
+        contexts = self._follow(live_ctx)
+        if contexts is None:
+            return
+        for s, ctx in zip(self.shadows, contexts, strict=True):
+            try:
+                s.core.on_new_request(ctx)
+            except Exception:
+                self._skip((s,))
 
     def on_request_finished(self, live_ctx: Any) -> None:
         """Finish the request in every shadow."""
-        holder = live_ctx.get_state(_ShadowContexts)
+        try:
+            holder = live_ctx.get_state(_ShadowContexts)
+        except Exception:
+            self._skip(self.shadows)
+            return
         if not isinstance(holder, _ShadowContexts):
             return
         for i, s in enumerate(self.shadows):
             ctx = holder.contexts.get(i)
-            if ctx is not None:
+            if ctx is None:
+                continue
+            try:
                 s.core.on_request_finished(ctx)
+            except Exception:
+                self._skip((s,))
 
     def reset_cache(self) -> None:
         """Empty every shadow."""
         for s in self.shadows:
-            s.core.reset_cache()
+            try:
+                s.core.reset_cache()
+            except Exception:
+                self._skip((s,))
 
     def add_stats(self, stats: OffloadingStats) -> None:
         """Add the counts since the last report to ``stats`` and restart them."""

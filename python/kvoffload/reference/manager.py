@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from kvoffload._common import (
+    arc_target,
     build_stats,
     check_admission,
     check_constructor_args,
@@ -83,7 +84,12 @@ from kvoffload.types import (
     get_offload_group_idx,
 )
 
-__all__ = ["CPUOffloadingManager", "ChunkPool"]
+__all__ = ["MAX_KEY_LEN", "CPUOffloadingManager", "ChunkPool"]
+
+#: The longest key ``prepare_store`` takes, in bytes: the Rust manager keeps a chunk's key length
+#: in 32 bits (``MAX_KEY_LEN`` in rust/kvoffload-core/src/table.rs), and the reference refuses
+#: what it refuses. Read at each call, so a test may lower it.
+MAX_KEY_LEN = 2**32 - 1
 
 
 #: The built-in policies by name (kvoffload._common.BUILTIN_POLICIES lists the same names).
@@ -172,6 +178,13 @@ def _as_keys(keys: object) -> list[bytes]:
     return key_list
 
 
+def _check_key_lengths(keys: list[bytes]) -> None:
+    """Refuse an offer with a key longer than `MAX_KEY_LEN`, naming the first such key's index."""
+    if keys and max(map(len, keys)) > MAX_KEY_LEN:  # one C-level pass: no cost per key
+        i = next(i for i, key in enumerate(keys) if len(key) > MAX_KEY_LEN)
+        raise InvalidArgumentError(f"key {i} is too long to store ({MAX_KEY_LEN} bytes at most)")
+
+
 def _repeats(keys: list[bytes]) -> list[bytes]:
     seen: set[bytes] = set()
     repeats = []
@@ -189,10 +202,16 @@ class CPUOffloadingManager:
     with ``pending_write_timeout`` set (seconds; None, the default, is vLLM's behaviour), a write
     older than that expires as ``complete_store(keys, success=False)`` would, at the start of each
     ``prepare_store`` and on ``expire_pending_writes()``. ``clock`` (default ``time.monotonic``)
-    gives the time, in seconds (see ``kvoffload._liveness``). As in the Rust manager, an
-    ``evict`` answer that breaks the contract raises `kvoffload.errors.PolicyError`; then, as
-    when ``evict`` (or ``on_store_miss`` or ``on_request_access`` before it) raises, nothing was
-    evicted and the offer is neither counted nor recorded.
+    gives the time, in seconds (see ``kvoffload._liveness``).
+
+    A policy method that raises is handled as by the Rust manager (whose ``Manager::with_policy``
+    documents it), the method being taken not to have changed the policy: ``prepare_load`` pins
+    nothing (the pins already reported are reported released, last first) and records nothing;
+    ``prepare_store`` counts and records nothing, and evicts nothing unless ``insert`` raised
+    (the keys inserted before it are removed again, the evictions stand); ``complete_load``,
+    ``complete_store`` (and so the expiry of writes), ``touch``, ``on_request_finished`` and
+    ``reset_cache`` complete. Each raises the policy's first exception. An ``evict`` answer that
+    breaks the contract raises `kvoffload.errors.PolicyError`, and nothing was evicted.
     """
 
     medium = Medium.CPU
@@ -289,19 +308,30 @@ class CPUOffloadingManager:
             for key in keys:
                 position_of(req_context, key)
 
-    def _record(
-        self, state: _RequestState, req_context: RequestContext, accesses: list[tuple[bytes, bool]]
+    def _record_load(
+        self, state: _RequestState, req_context: RequestContext, keys: list[bytes]
     ) -> None:
-        """Record ``(key, counts_as_reuse)`` accesses in order; report new keys to the policy."""
+        """Record a load's accesses (reuses) in order; report new keys to the policy.
+
+        If the policy raises, nothing is recorded (the new keys are unseen again).
+        """
         new_keys = []
-        for key, is_reuse in accesses:
-            if key not in state.seen:
-                state.seen[key] = None
+        seen = state.seen
+        for key in keys:
+            if key not in seen:
+                seen[key] = None
                 new_keys.append(key)
-            if is_reuse and key not in state.inserted:
-                state.reused.add(key)
         if new_keys:
-            self._policy.on_request_access(new_keys, req_context)
+            try:
+                self._policy.on_request_access(new_keys, req_context)
+            except BaseException:
+                for key in new_keys:  # the last ones added to ``seen``: it is as it was
+                    del seen[key]
+                raise
+        inserted, reused = state.inserted, state.reused
+        for key in keys:
+            if key not in inserted:
+                reused.add(key)
 
     def on_new_request(self, req_context: RequestContext) -> RequestOffloadingContext:
         """Give the request state unless it has current state already."""
@@ -363,16 +393,47 @@ class CPUOffloadingManager:
         # The state first: a context whose set_state raises leaves nothing pinned.
         state = self._recording_state(req_context)
 
-        for key, status in zip(key_list, statuses, strict=True):
-            status.ref_cnt += 1
-            if status.ref_cnt == 1:
-                self._num_evictable -= 1
-                self._policy.mark_non_evictable(key)
-        self._record(state, req_context, [(key, True) for key in key_list])
+        # If the policy raises, the pins are taken back (the Rust manager's undo, step by step).
+        try:
+            for key, status in zip(key_list, statuses, strict=True):
+                status.ref_cnt += 1
+                if status.ref_cnt == 1:
+                    self._num_evictable -= 1
+                    self._policy.mark_non_evictable(key)
+        except BaseException:
+            # Only a key's first occurrence in the call reports a pin (its count was 0), so the
+            # failure was there. Its pin, unreported, goes silently; the earlier ones are undone.
+            n = key_list.index(key)
+            statuses[n].ref_cnt -= 1
+            self._num_evictable += 1
+            self._undo_pins(key_list[:n], statuses[:n])
+            raise
+        try:
+            self._record_load(state, req_context, key_list)
+        except BaseException:
+            self._undo_pins(key_list, statuses)
+            raise
         return CPULoadStoreSpec([status.chunk_id for status in statuses])
 
+    def _undo_pins(self, keys: list[bytes], statuses: list[ChunkStatus]) -> None:
+        """Release one pin of each key, last first, reporting those back at 0 as evictable.
+
+        This undoes a `prepare_load` whose policy raised; as in the Rust manager, the reports'
+        own failures are ignored (the call raises the policy's first exception).
+        """
+        for key, status in zip(reversed(keys), reversed(statuses), strict=True):
+            status.ref_cnt -= 1
+            if status.ref_cnt == 0:
+                self._num_evictable += 1
+                with contextlib.suppress(BaseException):
+                    self._policy.mark_evictable(key)
+
     def complete_load(self, keys: Iterable[bytes], req_context: RequestContext) -> None:
-        """Unpin keys, once per occurrence; no recency change."""
+        """Unpin keys, once per occurrence; no recency change.
+
+        If the policy raises, every key is still unpinned and reported (a report that fails is
+        taken to have changed nothing); the first exception is raised at the end.
+        """
         key_list = _as_keys(keys)
         loads = Counter(key_list)
         statuses = {}
@@ -382,12 +443,18 @@ class CPUOffloadingManager:
                 ref = "absent" if status is None else f"ref count {status.ref_cnt}"
                 raise KeyStateError(f"cannot complete {n} load(s) of key {key!r}: {ref}")
             statuses[key] = status
+        error: BaseException | None = None
         for key in key_list:
             status = statuses[key]
             status.ref_cnt -= 1
             if status.ref_cnt == 0:
                 self._num_evictable += 1
-                self._policy.mark_evictable(key)
+                try:
+                    self._policy.mark_evictable(key)
+                except BaseException as exc:
+                    error = exc if error is None else error
+        if error is not None:
+            raise error
 
     def touch(self, keys: Iterable[bytes], req_context: RequestContext) -> None:
         """Forward to the policy (records no request access)."""
@@ -401,12 +468,16 @@ class CPUOffloadingManager:
         """Pick the keys to store and give them chunks, evicting if needed (None if impossible).
 
         First of all the clock is read and, with ``pending_write_timeout`` set, overdue writes
-        expire (that stands even if the call then raises).
+        expire (that stands even if the call then raises). A key longer than `MAX_KEY_LEN` bytes
+        is refused (`InvalidArgumentError`), as by the Rust manager.
         """
         self._writes.set_now(read_clock(self._clock))
         if self._pending_write_timeout is not None:
             self._expire(self._pending_write_timeout)
         key_list = _as_keys(keys)
+        # Before the repeats, as in the Rust manager (and a repeated key of 4 GiB would take
+        # 16 GiB to show in that error).
+        _check_key_lengths(key_list)
         offered = set(key_list)
         if len(offered) != len(key_list):
             raise DuplicateKeyError(f"prepare_store got repeated keys: {_repeats(key_list)!r}")
@@ -520,7 +591,7 @@ class CPUOffloadingManager:
                 statuses.append(status)
         except BaseException:
             for key in reversed(keys[: len(statuses)]):
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(BaseException):
                     self._policy.remove(key)
             self._pool.undo_allocate(chunk_ids, handed_out_before)
             raise
@@ -615,28 +686,41 @@ class CPUOffloadingManager:
     def complete_store(
         self, keys: Iterable[bytes], req_context: RequestContext, success: bool = True
     ) -> None:
-        """Pending keys become ready (or, on failure, are dropped); other keys are ignored."""
+        """Pending keys become ready (or, on failure, are dropped); other keys are ignored.
+
+        If the policy raises, the call still completes (every key, the event); the first
+        exception is raised at the end.
+        """
         ok = bool(success)  # first, as vLLM reads it: a truth value that raises changes nothing
         self._end_stores(_as_keys(keys), ok)
 
     def _end_stores(self, key_list: list[bytes], success: bool) -> None:
         done = []
+        error: BaseException | None = None
         for key in key_list:
             status = self._policy.get(key)
             if status is None or status.ref_cnt != -1:
                 continue  # absent, readable, or repeated in this call
-            if success:
-                status.ref_cnt = 0
-                self._num_evictable += 1
-                self._policy.mark_evictable(key)
-            else:
-                self._policy.remove(key)
+            # The key is completed even if the policy raises (its method is then taken to have
+            # changed nothing), as in the Rust manager; the first exception is raised at the end.
+            try:
+                if success:
+                    status.ref_cnt = 0
+                    self._num_evictable += 1
+                    self._policy.mark_evictable(key)
+                else:
+                    self._policy.remove(key)
+            except BaseException as exc:
+                error = exc if error is None else error
+            if not success:
                 self._pool.free(status.chunk_id)
                 del self._statuses[key]
             self._num_pending -= 1
             done.append(key)
         if done:
             self._emit(stored_event(done) if success else removed_event(done, metadata_only=True))
+        if error is not None:
+            raise error
 
     # -- events, stats, lifecycle ------------------------------------------------------------------
 
@@ -715,14 +799,17 @@ class CPUOffloadingManager:
         """Drop every chunk and the policy state; make all request state stale.
 
         Undrained events, tracker counts, histogram samples and the skipped count are kept.
+        If the policy's ``clear`` raises, the reset still completes, then the exception is raised.
         """
-        self._policy.clear()
-        self._statuses.clear()
-        self._pool.reset()
-        self._writes.clear()
-        self._num_pending = 0
-        self._num_evictable = 0
-        self._generation += 1
+        try:
+            self._policy.clear()
+        finally:
+            self._statuses.clear()
+            self._pool.reset()
+            self._writes.clear()
+            self._num_pending = 0
+            self._num_evictable = 0
+            self._generation += 1
 
     def on_schedule_end(self, context: object = None) -> None:
         """Nothing to do."""
@@ -768,12 +855,7 @@ class CPUOffloadingManager:
         """Force the ARC target size of T1 (tests only)."""
         if not (self._builtin_policy and isinstance(self._policy, ArcPolicy)):
             raise InvalidArgumentError("the cache policy is not ARC")
-        try:
-            self._policy.target_t1_size = float(value)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(
-                f"ARC target must be a number, got {type(value).__name__}"
-            ) from None
+        self._policy.target_t1_size = arc_target(value, self.num_chunks)
 
     def check_invariants(self) -> None:
         """Raise `kvoffload.errors.InvariantViolation` if any internal invariant is broken.

@@ -114,11 +114,12 @@ class SimConfig:
         if issubclass(cls, CPUOffloadingManager | ReferenceManager):
             try:
                 resolve_policy(self.policy, self.cache_policy_module_path)
-            except ImportError as e:
+            except UnsupportedPolicyError as e:
+                if not isinstance(e.__cause__, ModuleNotFoundError):
+                    raise
                 raise UnsupportedPolicyError(
-                    f"cache policy {self.policy!r}: cannot import its module ({e}); kvoffload "
-                    "sim looks for it in the current folder and on the Python path"
-                ) from None
+                    f"{e}; kvoffload sim looks for it in the current folder and on the Python path"
+                ) from e.__cause__
 
 
 def manager_class(impl: str) -> type:
