@@ -343,6 +343,9 @@ def test_policy_core_refuses_bad_arguments_from_kvoffloads_tree() -> None:
     # OverflowError, AttributeError and TypeError), changing nothing.
     from kvoffload import InvalidArgumentError, InvalidKeyError, ReqContext, _native
 
+    for capacity in (-1, 2**32, 2**63, "4", 4.0, True, None):
+        with pytest.raises(InvalidArgumentError, match="cache_capacity must be an int"):
+            _native.PolicyCore("lru", capacity)  # type: ignore[arg-type]
     core = _native.PolicyCore("lru", 4)
     ctx = ReqContext("r")
     core.insert(key(1), _Chunk(0, 0), ctx)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvoffload._common import resolve_policy
+from kvoffload.errors import KVOffloadError
 from kvoffload.types import ReqContext, make_offload_key
 from kvoffload.workload import CALL_KINDS, ReplayResult, Workload, WorkloadConfig, generate, replay
 
@@ -173,10 +175,38 @@ def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def _refusal(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options (None: nothing), checked before anything runs."""
+    if args.repeat < 1 or args.chunks < 0:
+        return "--repeat must be >= 1 and --chunks >= 0"
+    if args.requests < 0 or args.kv_groups < 1 or args.concurrency < 1:
+        return (
+            "--requests must be >= 0, --kv-groups and --concurrency >= 1, got "
+            f"{args.requests}, {args.kv_groups}, {args.concurrency}"
+        )
+    for option, names in (("--policies", args.policies), ("--impls", args.impls)):
+        if not names:
+            return f"{option} names nothing"
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            return f"{option} names {', '.join(repeated)} more than once"
+    for policy in args.policies:
+        try:
+            resolve_policy(policy, None)
+        except KVOffloadError as e:
+            return str(e)
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        # Found out now, not after the replays: a folder in the way, or no folder to write in.
+        if path is not None and (path.is_dir() or not path.parent.is_dir()):
+            return f"{option} {path}: cannot write a file there"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``kvoffload bench``; return the exit status (1 when implementations disagree)."""
-    if args.repeat < 1 or args.chunks < 0:
-        print("kvoffload bench: --repeat must be >= 1 and --chunks >= 0", file=sys.stderr)
+    refusal = _refusal(args)
+    if refusal is not None:
+        print(f"kvoffload bench: error: {refusal}", file=sys.stderr)
         return 2
     config = WorkloadConfig(
         requests=args.requests,
@@ -198,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # any import failure only skips that implementation
             print(f"kvoffload bench: skipping {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
     if not classes:
-        print("kvoffload bench: no implementation could be loaded", file=sys.stderr)
+        print("kvoffload bench: error: no implementation could be loaded", file=sys.stderr)
         return 2
 
     workload = generate(config)
@@ -221,10 +251,14 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"{policy}: MISMATCH, see stderr")
             print(_divergence_report(policy, runs), file=sys.stderr)
-    if args.json is not None:
-        _write_json(args.json, workload, args, runs, speedups, identical)
-    if args.plot is not None:
-        _plot(args.plot, runs)
+    try:
+        if args.json is not None:
+            _write_json(args.json, workload, args, runs, speedups, identical)
+        if args.plot is not None:
+            _plot(args.plot, runs)
+    except OSError as e:
+        print(f"kvoffload bench: error: {e}", file=sys.stderr)
+        return 2
     return 0 if all(identical.values()) else 1
 
 

@@ -208,16 +208,25 @@ def _build_spec() -> type:
                     "cache_policy": self.eviction_policy,
                     "cache_policy_module_path": self.cache_policy_module_path,
                     "enable_events": self.kv_events_config.enable_kv_cache_events,
-                    # The defaults of vLLM's CPUOffloadingSpec: no store filter, 64,000 entries.
-                    "store_threshold": int(extra.get("store_threshold", 0)),
-                    "max_tracker_size": int(extra.get("max_tracker_size", 64_000)),
+                    # The defaults of vLLM's CPUOffloadingSpec: no store filter, 64,000 entries,
+                    # read with int() as vLLM reads them.
+                    "store_threshold": _int_key(extra, "store_threshold", 0),
+                    "max_tracker_size": _int_key(extra, "max_tracker_size", 64_000),
                     "info": self.cpu_info,
                 }
+                timeout = extra.get(PENDING_WRITE_TIMEOUT_KEY)
                 if self.eviction_policy in KVOFFLOAD_POLICIES:
-                    timeout = extra.get(PENDING_WRITE_TIMEOUT_KEY)
                     if timeout is not None:
                         kwargs["pending_write_timeout"] = timeout
                     self._manager = manager_cls(**kwargs)
+                elif timeout is not None:
+                    # vLLM's manager has no write expiry: the key would be silently ignored.
+                    raise InvalidArgumentError(
+                        f"{PENDING_WRITE_TIMEOUT_KEY} needs one of kvoffload's built-in "
+                        f"policies {KVOFFLOAD_POLICIES}, run by kvoffload's manager; "
+                        f"eviction_policy {self.eviction_policy!r} runs in vLLM's manager, "
+                        "which has no write expiry"
+                    )
                 else:
                     self._manager = vllm_manager(**kwargs)
             return self._manager
@@ -225,6 +234,22 @@ def _build_spec() -> type:
     KVOffloadCPUOffloadingSpec.__qualname__ = "KVOffloadCPUOffloadingSpec"
     KVOffloadCPUOffloadingSpec.__module__ = __name__
     return KVOffloadCPUOffloadingSpec
+
+
+def _int_key(extra: Any, name: str, default: int) -> int:
+    """Read ``int(extra.get(name, default))``, as vLLM's spec reads the key.
+
+    A value ``int()`` refuses is an `InvalidArgumentError` (a ValueError) naming the key.
+    """
+    value = extra.get(name, default)
+    try:
+        return int(value)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"{name} must be an int, got {value!r}: {e}") from e
+
+
+#: ``cache_capacity`` bounds of the native policy core (a u32 slot count).
+_MAX_POLICY_CAPACITY = 2**32 - 1
 
 
 def _build_policy(kind: str, name: str) -> type:
@@ -237,10 +262,22 @@ def _build_policy(kind: str, name: str) -> type:
         # crossing, no Python frame).
 
         def __init__(self, cache_capacity: int) -> None:
+            if isinstance(cache_capacity, bool) or not isinstance(cache_capacity, int):
+                raise InvalidArgumentError(
+                    f"cache_capacity must be an int, got {type(cache_capacity).__name__}"
+                )
+            if not 0 <= cache_capacity <= _MAX_POLICY_CAPACITY:
+                raise InvalidArgumentError(
+                    f"cache_capacity must be in [0, 2**32 - 1], got {cache_capacity}"
+                )
             super().__init__(cache_capacity)
             self._core = _native.PolicyCore(kind, cache_capacity)
-            for method in POLICY_METHODS:  # each answered by PolicyCore directly
-                setattr(self, method, getattr(self._core, method))
+            # Each method answered by PolicyCore directly, unless a subclass overrides it (its
+            # override must run, and reaches the core through super()).
+            cls = type(self)
+            for method in POLICY_METHODS:
+                if getattr(cls, method) is getattr(RustPolicy, method):
+                    setattr(self, method, getattr(self._core, method))
 
         def get(self, key: bytes) -> Any:
             """The chunk of ``key``, or None."""

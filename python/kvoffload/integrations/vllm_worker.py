@@ -22,7 +22,9 @@ builds the vLLM-facing subclass and wires it into its spec.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import operator
 import re
 import threading
 from collections import defaultdict
@@ -79,7 +81,17 @@ def _ids(name: str, value: object) -> Ids:
         raise InvalidArgumentError(f"{name} must be a sequence of ints: {e}") from e
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidArgumentError(f"{name} ids must be a 1-D array of ints, got {arr.shape}")
+    if arr.size and arr.dtype.kind == "u" and int(arr.max()) > np.iinfo(np.int64).max:
+        # astype would wrap it to a negative id (and name that one in the error)
+        raise BlockIndexError(f"{name} id {int(arr.max())} is out of range")
     return arr.astype(np.int64, copy=False)
+
+
+def _int_list(name: str, value: object) -> list[int]:
+    try:
+        return [operator.index(v) for v in value]  # type: ignore[attr-defined]
+    except TypeError as e:
+        raise InvalidArgumentError(f"{name} must be a sequence of ints: {e}") from e
 
 
 def _attr(spec: object, name: str, what: str) -> Any:
@@ -216,7 +228,7 @@ class HostPoolWorker:
             )
         shared = None
         if parallel.world_size > 1:
-            shared = "vllm-" + re.sub(r"[^A-Za-z0-9_.-]", "_", str(spec.config.engine_id))
+            shared = _shared_name(str(spec.config.engine_id))
         pool = HostPool(
             spec.num_chunks, spec.kv_bytes_per_chunk, shared_name=shared, register_cuda=False
         )
@@ -342,8 +354,8 @@ class HostPoolWorker:
         """The pool jobs of one transfer: ``(tensor, page in chunk) -> (blocks, chunks)``."""
         device = _ids("device block", _attr(device_spec, "block_ids", "device"))
         chunks = _ids("chunk", _attr(host_spec, "block_ids", "host"))
-        sizes = [int(n) for n in _attr(device_spec, "group_sizes", "device")]
-        starts = [int(i) for i in _attr(device_spec, "block_indices", "device")]
+        sizes = _int_list("group_sizes", _attr(device_spec, "group_sizes", "device"))
+        starts = _int_list("block_indices", _attr(device_spec, "block_indices", "device"))
         if not len(sizes) == len(starts) == len(self._groups):
             raise InvalidArgumentError(
                 f"{len(sizes)} group sizes and {len(starts)} block indices for "
@@ -396,3 +408,16 @@ def _check_destinations(
         if np.unique(all_dests).size != all_dests.size:
             what = "chunk page" if store else "device block"
             raise InvalidArgumentError(f"a {what} of tensor {t} is a destination twice")
+
+
+def _shared_name(engine_id: str) -> str:
+    """The shared pool's name for ``engine_id``: ``vllm-<engine_id>``, made a valid name.
+
+    Characters a pool name cannot hold become ``_``; where any did (or the id is long), a hash
+    of the exact id is appended, so that engines whose ids differ only there share nothing.
+    """
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)
+    if readable == engine_id and len(engine_id) <= 150:
+        return "vllm-" + engine_id
+    digest = hashlib.blake2b(engine_id.encode("utf-8", "surrogatepass"), digest_size=8)
+    return f"vllm-{readable[:150]}-{digest.hexdigest()}"

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -90,8 +93,14 @@ def simulate(
         name = name if name != "custom" else Path(workload).name
         workload = load_workload(workload)
     cfg = dataclasses.replace(config or SimConfig(), **overrides)
-    total = len(workload)
-    with tqdm(total=total, disable=not progress, unit="req", desc=cfg.policy) as bar:
+    if not progress:
+        # No tqdm at all: even a disabled one makes a multiprocessing lock, which a worker
+        # process that is terminated (an interrupted miss_ratio_curve) leaves to the resource
+        # tracker, who then warns of a leaked semaphore.
+        if isinstance(workload, ObjectTrace):
+            return run_classic(workload, cfg, workload=name)
+        return run_serving(workload, cfg, workload=name)
+    with tqdm(total=len(workload), unit="req", desc=cfg.policy) as bar:
         if isinstance(workload, ObjectTrace):
             return run_classic(workload, cfg, workload=name, progress=bar.update)
         return run_serving(workload, cfg, workload=name, progress=bar.update)
@@ -102,10 +111,30 @@ _WORKER_WORKLOAD: Workload | None = None
 
 def _init_worker(workload_file: str, policies: dict[str, tuple[str, str]]) -> None:
     global _WORKER_WORKLOAD  # one workload per worker process
+    # A Ctrl-C reaches the whole process group: the parent alone handles it (it ends the
+    # workers), so that no worker turns it into a failed run and goes on to the next.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     with open(workload_file, "rb") as f:
         _WORKER_WORKLOAD = pickle.load(f)
     # The names registered in the parent (a spawned worker starts with the built-in ones only).
     CachePolicyFactory.register_missing(policies)
+
+
+@contextlib.contextmanager
+def _sigint_ignored_while_spawning() -> Iterator[None]:
+    """Ignore SIGINT while worker processes are started (from the main thread only).
+
+    A spawned worker inherits the ignored signal and keeps it through its start-up, where a
+    Ctrl-C would otherwise end it with a traceback before `_init_worker` could ignore it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _children_can_start() -> bool:
@@ -144,6 +173,8 @@ def miss_ratio_curve(
         raise InvalidArgumentError("a miss-ratio curve needs at least one policy and one size")
     if any(s < 0 for s in sizes):
         raise InvalidArgumentError("cache sizes must be >= 0")
+    if jobs is not None and jobs < 0:
+        raise InvalidArgumentError(f"jobs must be >= 1 (0 or None: the default), got {jobs}")
     # A bad configuration or workload fails here, before any worker starts.
     for policy in dict.fromkeys(policies):
         dataclasses.replace(base, policy=policy).validate()
@@ -173,17 +204,38 @@ def miss_ratio_curve(
                     registered = CachePolicyFactory.registrations()
                     init = (workload_file, registered)
                     with ProcessPoolExecutor(jobs, ctx, _init_worker, init) as pool:
-                        futures = {
-                            pool.submit(_run_in_worker, cfg, name): i for i, cfg in enumerate(tasks)
-                        }
-                        for fut in as_completed(futures):
-                            results[futures[fut]] = fut.result()
-                            bar.update(1)
-                            if on_result is not None:
-                                on_result(results[futures[fut]])
+                        try:  # from the first submit, which starts the workers
+                            with _sigint_ignored_while_spawning():
+                                futures = {
+                                    pool.submit(_run_in_worker, cfg, name): i
+                                    for i, cfg in enumerate(tasks)
+                                }
+                            for fut in as_completed(futures):
+                                results[futures[fut]] = fut.result()
+                                bar.update(1)
+                                if on_result is not None:
+                                    on_result(results[futures[fut]])
+                        except BaseException:
+                            _stop_workers(pool)
+                            raise
                 except BrokenProcessPool as e:
                     raise BrokenProcessPool(_worker_died(len(results))) from e
     return [results[i] for i in range(len(tasks))]
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Drop the runs not started and end the workers now (a KeyboardInterrupt, a failed run).
+
+    Leaving the ``with`` block would otherwise wait for every run left, each in a worker that
+    a Ctrl-C (which reaches the workers too) does not stop: they go on to the next run.
+    """
+    processes = dict(getattr(pool, "_processes", None) or {})  # private, but there since 3.2
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes.values():
+        if process.is_alive():
+            process.terminate()
+    for process in processes.values():
+        process.join(timeout=5)
 
 
 def _worker_died(done: int) -> str:

@@ -130,9 +130,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _csv_columns(args: argparse.Namespace) -> CsvColumns:
-    cols = _csv_ints(args.csv_columns)
-    if len(cols) != 3 or cols[1] < 1:
-        raise InvalidArgumentError("--csv-columns needs time,obj_id,size numbers (obj_id >= 1)")
+    try:
+        cols = _csv_ints(args.csv_columns)
+    except argparse.ArgumentTypeError:
+        cols = []
+    if len(cols) != 3 or cols[1] < 1 or min(cols) < 0:
+        raise InvalidArgumentError(
+            "--csv-columns needs time,obj_id,size numbers (1-based; obj_id >= 1, 0: absent), "
+            f"got {args.csv_columns!r}"
+        )
     time_col, obj_col, size_col = cols
     return CsvColumns(obj_col, time_col or None, size_col or None, has_header=args.csv_header)
 
@@ -151,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
     except (KVOffloadError, OSError) as e:
         print(f"kvoffload sim: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the worker processes are gone; no output was written
+        print("\nkvoffload sim: interrupted", file=sys.stderr)
+        return 130
     finally:
         sys.path.remove(cwd)
 
@@ -164,6 +173,8 @@ def _run(args: argparse.Namespace) -> int:
     name = Path(args.workload).name
     classic = isinstance(workload, ObjectTrace)
     wss = working_set(workload)
+    if args.sizes == []:
+        raise InvalidArgumentError("--sizes names no size (leave it out for the default sizes)")
     sizes = args.sizes or sorted({max(1, int(wss * f)) for f in DEFAULT_FRACTIONS})
     table_size = args.chunks if args.chunks is not None else sizes[(len(sizes) - 1) // 2]
     if table_size not in sizes:
@@ -181,8 +192,16 @@ def _run(args: argparse.Namespace) -> int:
         prefill_tokens_per_s=args.prefill_rate,
         decode_tokens_per_s=args.decode_rate,
     )
+    if min(sizes) < 0:
+        raise InvalidArgumentError(f"cache sizes must be >= 0, got {min(sizes)}")
+    if args.jobs is not None and args.jobs < 0:
+        raise InvalidArgumentError(f"--jobs must be >= 1 (0: the default), got {args.jobs}")
     for policy in policies:  # a bad name or value fails here, before the header is printed
-        dataclasses.replace(config, policy=policy).validate()
+        dataclasses.replace(config, policy=policy, num_chunks=max(sizes)).validate()
+    # An unusable output folder fails now, not after the runs.
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not os.access(args.out, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"--out {args.out}: the folder is not writable")
     mode = "classic (one object per request)" if classic else "serving"
     unit = "objects" if classic else "chunks"
     print(
@@ -216,7 +235,6 @@ def _run(args: argparse.Namespace) -> int:
     if lcs_runs:
         print("\n" + _format_libcachesim(lcs_runs, results))
     print("\n" + speed)
-    args.out.mkdir(parents=True, exist_ok=True)
     write_json(
         results,
         args.out / "sim.json",

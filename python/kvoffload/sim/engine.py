@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import math
 import random
 import time
 from collections import deque
@@ -32,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload._common import resolve_policy
+from kvoffload._common import BUILTIN_POLICIES, resolve_policy
 from kvoffload.errors import InvalidArgumentError, UnsupportedPolicyError
 from kvoffload.sim.model import DEFAULT_BLOCK_TOKENS, RequestKeys, SimRequest
 from kvoffload.sim.results import SIM_CALL_KINDS, SimResult
@@ -41,6 +42,9 @@ from kvoffload.types import LookupResult, ReqContext
 from kvoffload.workload import KindStats, timer_overhead_ns
 
 __all__ = ["SimConfig", "make_manager", "manager_class", "require_lookups", "run_serving"]
+
+#: The most chunks kvoffload's managers hold (chunk ids are int32).
+MAX_CHUNKS = 2**31 - 1
 
 #: The manager calls both modes make (serving mode also makes ``lookup_prefix``, the loads and
 #: ``get_stats``); an ``impl`` class without them is refused up front.
@@ -96,8 +100,22 @@ class SimConfig:
         if self.store_batch_keys < 1 or not 0.0 <= self.store_failure_prob <= 1.0:
             raise InvalidArgumentError("store_batch_keys >= 1, 0 <= store_failure_prob <= 1")
         rates = (self.transfer_bytes_per_s, self.prefill_tokens_per_s, self.decode_tokens_per_s)
-        if min(rates) <= 0:
-            raise InvalidArgumentError("transfer, prefill and decode rates must be > 0")
+        if not all(rate > 0 for rate in rates):  # NaN is not > 0 either
+            raise InvalidArgumentError(
+                f"transfer, prefill and decode rates must be > 0, got {', '.join(map(str, rates))}"
+            )
+        if self.chunk_bytes < 1:
+            raise InvalidArgumentError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
+        delays = (self.transfer_latency_s, self.pending_retry_s)
+        if not all(math.isfinite(d) and d >= 0 for d in delays):
+            raise InvalidArgumentError(
+                "transfer_latency_s and pending_retry_s must be finite and >= 0, got "
+                f"{', '.join(map(str, delays))}"
+            )
+        if self.max_pending_retries < 0:
+            raise InvalidArgumentError(
+                f"max_pending_retries must be >= 0, got {self.max_pending_retries}"
+            )
         if isinstance(self.shadow_policies, str):
             raise InvalidArgumentError(
                 "shadow_policies must be a tuple of policy names, such as ('arc',), not a str"
@@ -111,7 +129,18 @@ class SimConfig:
                 "what-if shadows run beside kvoffload's Rust manager only (impl 'rust'), "
                 f"not {self.impl!r}"
             )
+        unknown = [p for p in self.shadow_policies if p not in BUILTIN_POLICIES]
+        if unknown:
+            raise InvalidArgumentError(
+                f"shadow policies must be built in ({', '.join(BUILTIN_POLICIES)}), got "
+                f"{', '.join(map(repr, unknown))}"
+            )
         if issubclass(cls, CPUOffloadingManager | ReferenceManager):
+            if self.num_chunks > MAX_CHUNKS:
+                raise InvalidArgumentError(
+                    f"num_chunks must fit an int32 chunk id (<= {MAX_CHUNKS:,}), "
+                    f"got {self.num_chunks:,}"
+                )
             try:
                 resolve_policy(self.policy, self.cache_policy_module_path)
             except UnsupportedPolicyError as e:

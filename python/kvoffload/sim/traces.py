@@ -1,8 +1,8 @@
 """Trace files: kvoffload's JSONL request traces and libCacheSim's object traces.
 
 - **JSONL requests** (serving mode; docs/sim.md): one JSON object per line, with ``req_id``
-  (string), ``arrival`` (seconds, a number >= 0), ``block_hashes`` (one list of hex strings per KV
-  group), ``output_tokens`` (int, 0 to `MAX_OUTPUT_TOKENS`, default 0) and optionally
+  (string), ``arrival`` (seconds, a finite number >= 0), ``block_hashes`` (one list of hex
+  strings per KV group), ``output_tokens`` (int, 0 to `MAX_OUTPUT_TOKENS`, default 0) and optionally
   ``output_hashes`` (like ``block_hashes``; when given, these are the output blocks stored, and
   ``output_tokens`` only sets the decode time). Blank lines are skipped.
 - **libCacheSim object traces** (classic mode), read as (time, object id, size) arrays:
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,8 +168,14 @@ def _parse_request(obj: Any, where: str) -> SimRequest:
     output_tokens = obj.get("output_tokens", 0)
     if not isinstance(req_id, str):
         raise TraceFormatError(f"{where}: req_id must be a string")
-    if isinstance(arrival, bool) or not isinstance(arrival, int | float) or not arrival >= 0:
-        raise TraceFormatError(f"{where}: arrival must be a number >= 0, got {arrival!r}")
+    try:  # Python's JSON reads NaN, Infinity, 1e999 and ints beyond any float too
+        seconds = math.nan if isinstance(arrival, bool) else float(arrival)
+    except (TypeError, ValueError, OverflowError):
+        seconds = math.nan
+    if not isinstance(arrival, int | float) or not 0 <= seconds < math.inf:
+        raise TraceFormatError(
+            f"{where}: arrival must be a finite number >= 0, got {str(arrival)[:40]}"
+        )
     if (
         isinstance(output_tokens, bool)
         or not isinstance(output_tokens, int)
@@ -185,7 +192,7 @@ def _parse_request(obj: Any, where: str) -> SimRequest:
     output_hashes = None if out is None else _hashes(out, where, "output_hashes")
     if output_hashes is not None and len(output_hashes) != len(blocks):
         raise TraceFormatError(f"{where}: output_hashes must have one list per KV group")
-    return SimRequest(req_id, float(arrival), blocks, output_tokens, output_hashes)
+    return SimRequest(req_id, seconds, blocks, output_tokens, output_hashes)
 
 
 def read_jsonl(path: str | Path) -> list[SimRequest]:

@@ -383,12 +383,12 @@ fn renew_if_stale(m: &Core, s: &mut core::RequestState) {
     }
 }
 
-/// Lock one request's state for an attached call (see [`RequestState::lock_for`]).
+/// Lock one request's state for an attached call (see [`RequestState::lock_attached`]).
 fn lock_state<'s>(
     py: Python<'_>,
     state: &'s RequestState,
 ) -> PyResult<std::sync::MutexGuard<'s, core::RequestState>> {
-    state.lock_for(py).map_err(|e| match e {
+    state.lock_attached(py).map_err(|e| match e {
         StateLockError::Poisoned => poisoned(py),
         StateLockError::InUse => crate::request::in_use(py),
     })
@@ -554,7 +554,7 @@ impl ManagerCore {
             let out = py.detach(|| {
                 let mut m = applied(self.inner.lock().map_err(|_| LockError::Poisoned)?);
                 let mut s = match state {
-                    Some(st) => Some(st.lock_detached_for().map_err(LockError::from)?),
+                    Some(st) => Some(st.lock_detached().map_err(LockError::from)?),
                     None => None,
                 };
                 // Detached, other threads run: their completions stay lock-free meanwhile.

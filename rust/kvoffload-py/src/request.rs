@@ -26,7 +26,7 @@ pub(crate) struct RequestState {
     holder: AtomicUsize,
 }
 
-/// Why [`RequestState::lock_for`] gave no guard.
+/// Why [`RequestState::lock_attached`] gave no guard.
 pub(crate) enum StateLockError {
     Poisoned,
     /// The calling thread holds the state already: a manager call runs its Python policy.
@@ -47,15 +47,15 @@ impl RequestState {
     /// holder running a Python policy can go on. Refused when the calling thread holds it
     /// itself (a policy handing its context to a manager call).
     #[inline]
-    pub(crate) fn lock_for(
+    pub(crate) fn lock_attached(
         &self,
         py: Python<'_>,
     ) -> Result<MutexGuard<'_, core::RequestState>, StateLockError> {
         self.lock_with(|m| m.lock_py_attached(py))
     }
 
-    /// Lock the state from a detached call (see [`lock_for`](Self::lock_for)).
-    pub(crate) fn lock_detached_for(
+    /// Lock the state from a detached call (see [`lock_attached`](Self::lock_attached)).
+    pub(crate) fn lock_detached(
         &self,
     ) -> Result<MutexGuard<'_, core::RequestState>, StateLockError> {
         self.lock_with(Mutex::lock)
@@ -134,7 +134,7 @@ impl RequestState {
     // build's stop-the-world pauses, that call's included.
     #[getter]
     fn finished(&self, py: Python<'_>) -> PyResult<bool> {
-        match self.lock_for(py) {
+        match self.lock_attached(py) {
             Ok(s) => Ok(s.is_finished()),
             Err(StateLockError::Poisoned) => Ok(false),
             Err(StateLockError::InUse) => Err(in_use(py)),
@@ -142,7 +142,7 @@ impl RequestState {
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
-        match self.lock_for(py) {
+        match self.lock_attached(py) {
             Ok(s) => format!(
                 "<RequestState seen={} finished={}>",
                 s.seen_keys().len(),

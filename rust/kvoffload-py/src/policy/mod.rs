@@ -26,7 +26,7 @@ use kvoffload_core::{hash_key, ChunkId, ChunkState, PolicyKind, Slots};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
-use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PySet, PyTuple};
 use slots::Inner;
 use state::{state_dict, state_keys};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -100,14 +100,19 @@ fn key_state_error(py: Python<'_>, msg: String) -> PyErr {
 impl PolicyCore {
     /// A built-in policy named `policy` for `capacity` chunks.
     #[new]
-    fn new(py: Python<'_>, policy: &str, capacity: i64) -> PyResult<Self> {
-        let capacity = u32::try_from(capacity).map_err(|_| {
-            raise(
+    fn new(py: Python<'_>, policy: &str, capacity: &Bound<'_, PyAny>) -> PyResult<Self> {
+        // An int (not a bool) that fits: anything else is refused from kvoffload's tree.
+        let fits = (!capacity.is_instance_of::<PyBool>())
+            .then(|| capacity.extract::<u32>().ok())
+            .flatten();
+        let Some(capacity) = fits else {
+            let shown = capacity.repr().map_or_else(|_| "?".into(), |r| r.to_string());
+            return Err(raise(
                 py,
                 "InvalidArgumentError",
-                format!("cache_capacity must be in [0, 2**32 - 1], got {capacity}"),
-            )
-        })?;
+                format!("cache_capacity must be an int in [0, 2**32 - 1], got {shown}"),
+            ));
+        };
         // Every built-in kind: vLLM's manager calls the hooks where kvoffload's manager does,
         // so a policy behaves in it as in kvoffload's manager (and LRU and ARC as vLLM's own).
         let Some(kind) = PolicyKind::from_name(policy) else {
