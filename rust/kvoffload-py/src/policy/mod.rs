@@ -106,7 +106,9 @@ impl PolicyCore {
             .then(|| capacity.extract::<u32>().ok())
             .flatten();
         let Some(capacity) = fits else {
-            let shown = capacity.repr().map_or_else(|_| "?".into(), |r| r.to_string());
+            let shown = capacity
+                .repr()
+                .map_or_else(|_| "?".into(), |r| r.to_string());
             return Err(raise(
                 py,
                 "InvalidArgumentError",
