@@ -248,10 +248,6 @@ def _int_key(extra: Any, name: str, default: int) -> int:
         raise InvalidArgumentError(f"{name} must be an int, got {value!r}: {e}") from e
 
 
-#: ``cache_capacity`` bounds of the native policy core (a u32 slot count).
-_MAX_POLICY_CAPACITY = 2**32 - 1
-
-
 def _build_policy(kind: str, name: str) -> type:
     cache_policy: Any = importlib.import_module(_POLICY_BASE_MODULE).CachePolicy
     _register_context(importlib.import_module(_BASE_MODULE).ReqContext)
@@ -262,15 +258,8 @@ def _build_policy(kind: str, name: str) -> type:
         # crossing, no Python frame).
 
         def __init__(self, cache_capacity: int) -> None:
-            if isinstance(cache_capacity, bool) or not isinstance(cache_capacity, int):
-                raise InvalidArgumentError(
-                    f"cache_capacity must be an int, got {type(cache_capacity).__name__}"
-                )
-            if not 0 <= cache_capacity <= _MAX_POLICY_CAPACITY:
-                raise InvalidArgumentError(
-                    f"cache_capacity must be in [0, 2**32 - 1], got {cache_capacity}"
-                )
             super().__init__(cache_capacity)
+            # PolicyCore refuses what is not an int in [0, 2**32 - 1] (bools included).
             self._core = _native.PolicyCore(kind, cache_capacity)
             # Each method answered by PolicyCore directly, unless a subclass overrides it (its
             # override must run, and reaches the core through super()).
