@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvoffload.errors import InvalidArgumentError, UnsupportedPolicyError
@@ -97,6 +97,13 @@ def check_context(req_context: object) -> None:
             f"req_context must be a ReqContext (or have {', '.join(CONTEXT_METHODS)}); "
             f"{type(req_context).__name__} lacks {', '.join(missing)}"
         )
+
+
+def check_distinct(option: str, names: Sequence[str]) -> None:
+    """Refuse ``names`` (of command-line ``option``) naming one thing twice."""
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise InvalidArgumentError(f"{option} names {', '.join(repeated)} more than once")
 
 
 def arc_target(value: object, num_chunks: int) -> float:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvoffload._common import resolve_policy
+from kvoffload._common import check_distinct, resolve_policy
 from kvoffload.errors import KVOffloadError
 from kvoffload.types import ReqContext, make_offload_key
 from kvoffload.workload import CALL_KINDS, ReplayResult, Workload, WorkloadConfig, generate, replay
@@ -187,14 +187,13 @@ def _refusal(args: argparse.Namespace) -> str | None:
     for option, names in (("--policies", args.policies), ("--impls", args.impls)):
         if not names:
             return f"{option} names nothing"
-        repeated = sorted({n for n in names if names.count(n) > 1})
-        if repeated:
-            return f"{option} names {', '.join(repeated)} more than once"
-    for policy in args.policies:
-        try:
+    try:
+        check_distinct("--policies", args.policies)
+        check_distinct("--impls", args.impls)
+        for policy in args.policies:
             resolve_policy(policy, None)
-        except KVOffloadError as e:
-            return str(e)
+    except KVOffloadError as e:
+        return str(e)
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         # Found out now, not after the replays: a folder in the way, or no folder to write in.
         if path is not None and (path.is_dir() or not path.parent.is_dir()):

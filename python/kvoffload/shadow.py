@@ -35,7 +35,7 @@ call per call, in Rust; requests carry one extra context per shadow.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -199,81 +199,76 @@ class ShadowSet:
             shadows.append((_prefix_lookups(len(keys), hits), hits))
         self._count((_prefix_lookups(len(keys), live_hits), live_hits), shadows)
 
-    def prepare_load(self, keys: Sequence[bytes], live_ctx: Any) -> None:
-        """Load (and at once complete) the keys each shadow holds."""
-        contexts = self._follow(live_ctx)
-        if contexts is None:
-            return
-        for s, ctx in zip(self.shadows, contexts, strict=True):
+    def _replay(
+        self, call: Callable[[_Shadow, Any], object], contexts: Sequence[Any] | None = None
+    ) -> None:
+        """``call(shadow, context)`` in each shadow; one that raises skips the call.
+
+        ``contexts`` holds each shadow's context (None: the call takes none; a None context: that
+        shadow has no part in the call).
+        """
+        for i, s in enumerate(self.shadows):
+            ctx = None if contexts is None else contexts[i]
+            if contexts is not None and ctx is None:
+                continue
             try:
-                present = s.core.resident_keys(keys)
-                if present:
-                    # Refused (nothing pinned) when a finished request loads a key its shadow
-                    # request never recorded: the shadow lacked it when the live request did not.
-                    s.core.prepare_load(present, ctx)
-                    s.core.complete_load(present)
+                call(s, ctx)
             except Exception:
                 self._skip((s,))
+
+    def prepare_load(self, keys: Sequence[bytes], live_ctx: Any) -> None:
+        """Load (and at once complete) the keys each shadow holds."""
+
+        def load(s: _Shadow, ctx: ReqContext) -> None:
+            present = s.core.resident_keys(keys)
+            if present:
+                # Refused (nothing pinned) when a finished request loads a key its shadow
+                # request never recorded: the shadow lacked it when the live request did not.
+                s.core.prepare_load(present, ctx)
+                s.core.complete_load(present)
+
+        contexts = self._follow(live_ctx)
+        if contexts is not None:
+            self._replay(load, contexts)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Pass a touch on."""
-        for s in self.shadows:
-            try:
-                s.core.touch(keys)
-            except Exception:
-                self._skip((s,))
+        self._replay(lambda s, _: s.core.touch(keys))
 
     def prepare_store(self, keys: Sequence[bytes], live_ctx: Any) -> None:
         """Offer the keys to every shadow; its store completes at once."""
+
+        def store(s: _Shadow, ctx: ReqContext) -> None:
+            # Refused (nothing placed or evicted) for a finished request's key its shadow
+            # request never recorded, or a token position only the shadow's policy reads.
+            out = s.core.prepare_store(keys, ctx)
+            if out is not None and out.keys_to_store:
+                s.core.complete_store(out.keys_to_store, success=True)
+
         contexts = self._follow(live_ctx)
-        if contexts is None:
-            return
-        for s, ctx in zip(self.shadows, contexts, strict=True):
-            try:
-                # Refused (nothing placed or evicted) for a finished request's key its shadow
-                # request never recorded, or a token position only the shadow's policy reads.
-                out = s.core.prepare_store(keys, ctx)
-                if out is not None and out.keys_to_store:
-                    s.core.complete_store(out.keys_to_store, success=True)
-            except Exception:
-                self._skip((s,))
+        if contexts is not None:
+            self._replay(store, contexts)
 
     def on_new_request(self, live_ctx: Any) -> None:
         """Give each shadow's context its request state."""
         contexts = self._follow(live_ctx)
-        if contexts is None:
-            return
-        for s, ctx in zip(self.shadows, contexts, strict=True):
-            try:
-                s.core.on_new_request(ctx)
-            except Exception:
-                self._skip((s,))
+        if contexts is not None:
+            self._replay(lambda s, ctx: s.core.on_new_request(ctx), contexts)
 
     def on_request_finished(self, live_ctx: Any) -> None:
-        """Finish the request in every shadow."""
+        """Finish the request in every shadow that has its context."""
         try:
             holder = live_ctx.get_state(_ShadowContexts)
         except Exception:
             self._skip(self.shadows)
             return
-        if not isinstance(holder, _ShadowContexts):
-            return
-        for i, s in enumerate(self.shadows):
-            ctx = holder.contexts.get(i)
-            if ctx is None:
-                continue
-            try:
-                s.core.on_request_finished(ctx)
-            except Exception:
-                self._skip((s,))
+        if isinstance(holder, _ShadowContexts):
+            contexts = [holder.contexts.get(i) for i in range(len(self.shadows))]
+            self._replay(lambda s, ctx: s.core.on_request_finished(ctx), contexts)
 
     def reset_cache(self) -> None:
         """Empty every shadow."""
-        for s in self.shadows:
-            try:
-                s.core.reset_cache()
-            except Exception:
-                self._skip((s,))
+        self._replay(lambda s, _: s.core.reset_cache())
 
     def add_stats(self, stats: OffloadingStats) -> None:
         """Add the counts since the last report to ``stats`` and restart them."""

@@ -148,6 +148,25 @@ def _run_in_worker(cfg: SimConfig, name: str) -> SimResult:
     return simulate(_WORKER_WORKLOAD, cfg, name=name)
 
 
+def check_curve(
+    workload: Workload,
+    sizes: Sequence[int],
+    policies: Sequence[str],
+    config: SimConfig,
+    jobs: int | None = None,
+) -> None:
+    """Refuse what `miss_ratio_curve` would refuse, before any run or worker starts."""
+    if not sizes or not policies:
+        raise InvalidArgumentError("a miss-ratio curve needs at least one policy and one size")
+    if min(sizes) < 0:
+        raise InvalidArgumentError(f"cache sizes must be >= 0, got {min(sizes)}")
+    if jobs is not None and jobs < 0:
+        raise InvalidArgumentError(f"jobs must be >= 1 (0 or None: the default), got {jobs}")
+    for policy in dict.fromkeys(policies):  # at the largest size, the one a pool may not reach
+        dataclasses.replace(config, policy=policy, num_chunks=max(sizes)).validate()
+    require_lookups(workload)
+
+
 def miss_ratio_curve(
     workload: Workload,
     sizes: Iterable[int],
@@ -168,17 +187,8 @@ def miss_ratio_curve(
     """
     base = config or SimConfig()
     sizes = sorted(set(sizes))
+    check_curve(workload, sizes, policies, base, jobs)
     tasks = [dataclasses.replace(base, policy=p, num_chunks=s) for p in policies for s in sizes]
-    if not tasks:
-        raise InvalidArgumentError("a miss-ratio curve needs at least one policy and one size")
-    if any(s < 0 for s in sizes):
-        raise InvalidArgumentError("cache sizes must be >= 0")
-    if jobs is not None and jobs < 0:
-        raise InvalidArgumentError(f"jobs must be >= 1 (0 or None: the default), got {jobs}")
-    # A bad configuration or workload fails here, before any worker starts.
-    for policy in dict.fromkeys(policies):
-        dataclasses.replace(base, policy=policy).validate()
-    require_lookups(workload)
     jobs = jobs or min(4, os.cpu_count() or 1, len(tasks))
     if not _children_can_start():
         jobs = 1

@@ -16,10 +16,10 @@ import os
 import sys
 from pathlib import Path
 
-from kvoffload._common import BUILTIN_POLICIES
+from kvoffload._common import BUILTIN_POLICIES, check_distinct
 from kvoffload.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.sim import libcachesim_ref
-from kvoffload.sim.api import load_workload, miss_ratio_curve, working_set
+from kvoffload.sim.api import check_curve, load_workload, miss_ratio_curve, working_set
 from kvoffload.sim.engine import SimConfig, require_lookups
 from kvoffload.sim.generators import GENERATORS, GeneratorConfig
 from kvoffload.sim.results import SimResult, format_comparison, format_curve, write_csv, write_json
@@ -43,9 +43,7 @@ def _csv_ints(text: str) -> list[int]:
 def _names(option: str, text: str) -> list[str]:
     """The comma-separated names of ``option``, none twice (results share a column by name)."""
     names = [p for p in text.split(",") if p]
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise InvalidArgumentError(f"{option} names {', '.join(repeated)} more than once")
+    check_distinct(option, names)
     return names
 
 
@@ -192,12 +190,9 @@ def _run(args: argparse.Namespace) -> int:
         prefill_tokens_per_s=args.prefill_rate,
         decode_tokens_per_s=args.decode_rate,
     )
-    if min(sizes) < 0:
-        raise InvalidArgumentError(f"cache sizes must be >= 0, got {min(sizes)}")
     if args.jobs is not None and args.jobs < 0:
         raise InvalidArgumentError(f"--jobs must be >= 1 (0: the default), got {args.jobs}")
-    for policy in policies:  # a bad name or value fails here, before the header is printed
-        dataclasses.replace(config, policy=policy, num_chunks=max(sizes)).validate()
+    check_curve(workload, sizes, policies, config)  # before the header is printed
     # An unusable output folder fails now, not after the runs.
     args.out.mkdir(parents=True, exist_ok=True)
     if not os.access(args.out, os.W_OK | os.X_OK):
