@@ -5,8 +5,10 @@ Expected values are worked out by hand from SPEC.md, as in test_spec_calls.py.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
+import numpy as np
 import pytest
 
 from _helpers import (
@@ -132,6 +134,14 @@ def test_arc_debug_target_is_a_number_within_the_cache(make_manager: MakeManager
     m._debug_set_arc_target(4)
     with pytest.raises(InvalidArgumentError, match="ARC target must"):
         m._debug_set_arc_target(bad)
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("value", [np.int64(3), np.float32(2.5), Fraction(1, 2)])
+def test_arc_debug_target_takes_any_real_number(make_manager: MakeManager, value: Any) -> None:
+    m = make_manager(4, cache_policy="arc")
+    m._debug_set_arc_target(value)
+    assert target(m) == float(value)
     m.check_invariants()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -108,7 +109,7 @@ def check_distinct(option: str, names: Sequence[str]) -> None:
 
 def arc_target(value: object, num_chunks: int) -> float:
     """A target size for ARC's T1 (``_debug_set_arc_target``): a number in ``[0, num_chunks]``."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidArgumentError(f"ARC target must be a number, got {type(value).__name__}")
     target = float(value)
     if not 0.0 <= target <= num_chunks:  # NaN fails too
