@@ -362,3 +362,56 @@ def test_policy_core_refuses_bad_arguments_from_kvoffloads_tree() -> None:
     assert victims is not None
     assert [k for k, _ in victims] == [key(1)]
     core.check_invariants()
+
+
+def _huge_key() -> bytes:
+    """A key of 2**32 bytes, one past the longest a slot's 32-bit length holds.
+
+    ``bytes(n)`` takes zeroed pages from the system and nothing here writes them, so it costs
+    address space, not memory; a system that refuses the address space skips the test.
+    """
+    try:
+        return bytes(2**32)
+    except MemoryError:
+        pytest.skip("no 4 GiB of address space for the key")
+
+
+@pytest.mark.parametrize("kind", ["lru", "arc"])
+def test_policy_core_refuses_a_key_too_long_to_store_and_holds_nothing(kind: str) -> None:
+    from kvoffload import InvalidArgumentError, KeyStateError, ReqContext, _native
+
+    huge = _huge_key()
+    core = _native.PolicyCore(kind, 4)
+    ctx = ReqContext("r")
+    core.insert(key(1), _Chunk(0, 0), ctx)
+    with pytest.raises(InvalidArgumentError, match="too long to store"):
+        core.insert(huge, _Chunk(1, 0), ctx)
+    # Other calls see it as a key the policy does not hold (each hashes its 4 GiB: a few).
+    assert core.get(huge) is None
+    with pytest.raises(KeyStateError, match="absent key"):
+        core.mark_evictable(huge)
+    assert len(core) == 1
+    victims = core.evict(1, [huge])
+    assert victims is not None
+    assert [k for k, _ in victims] == [key(1)]
+    core.check_invariants()
+
+
+@pytest.mark.parametrize("impl", ["rust", "reference"])
+def test_managers_refuse_to_store_a_key_too_long_and_change_nothing(impl: str) -> None:
+    import kvoffload
+    import kvoffload.reference
+    from kvoffload import InvalidArgumentError, LookupResult, ReqContext
+
+    module = kvoffload if impl == "rust" else kvoffload.reference
+    huge = _huge_key()
+    m = module.CPUOffloadingManager(4)
+    ctx = ReqContext("r")
+    m.on_new_request(ctx)
+    with pytest.raises(InvalidArgumentError, match="key 1 is too long to store"):
+        m.prepare_store([key(1), huge], ctx)
+    assert m.lookup(key(1), ctx) == LookupResult.MISS
+    out = m.prepare_store([key(1)], ctx)
+    assert out is not None
+    assert list(out.store_spec.chunk_ids) == [0]
+    m.check_invariants()
