@@ -371,6 +371,33 @@ def test_illegal_call_leaves_the_request_without_state(make_manager: MakeManager
     m.check_invariants()
 
 
+class _HalfContext:
+    """A context with vLLM's ``get_state`` only."""
+
+    def get_state(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("context", "missing"),
+    [
+        (object(), "object lacks get_state, set_state, get_offload_key_position"),
+        (_HalfContext(), "_HalfContext lacks set_state, get_offload_key_position"),
+    ],
+)
+def test_a_context_without_vllms_methods_is_refused_naming_each_missing_one(
+    make_manager: MakeManager, context: object, missing: str
+) -> None:
+    m = make_manager(4)
+    with pytest.raises(InvalidArgumentError) as info:
+        m.on_new_request(context)
+    assert str(info.value) == (
+        "req_context must be a ReqContext (or have get_state, set_state, "
+        f"get_offload_key_position); {missing}"
+    )
+    m.check_invariants()
+
+
 def test_extreme_positions_are_legal(make_manager: MakeManager) -> None:
     m = make_manager(4)
     ctx = ReqContext(req_id="r")

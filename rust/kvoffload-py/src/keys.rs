@@ -713,18 +713,23 @@ impl<'py> Context<'py> {
         }
         if dicts.is_none() {
             const METHODS: [&str; 3] = ["get_state", "set_state", "get_offload_key_position"];
-            for name in METHODS {
-                if !obj.getattr(name).is_ok_and(|m| m.is_callable()) {
-                    let ty = type_name(obj);
-                    return Err(raise(
-                        py,
-                        "InvalidArgumentError",
-                        format!(
-                            "req_context must be a ReqContext (or have {}); {ty} lacks {name}",
-                            METHODS.join(", ")
-                        ),
-                    ));
-                }
+            // Every method is looked up, so the message names all that are missing (as the
+            // reference's does).
+            let missing: Vec<&str> = METHODS
+                .into_iter()
+                .filter(|name| !obj.getattr(*name).is_ok_and(|m| m.is_callable()))
+                .collect();
+            if !missing.is_empty() {
+                let ty = type_name(obj);
+                return Err(raise(
+                    py,
+                    "InvalidArgumentError",
+                    format!(
+                        "req_context must be a ReqContext (or have {}); {ty} lacks {}",
+                        METHODS.join(", "),
+                        missing.join(", ")
+                    ),
+                ));
             }
         }
         Ok(Self {
