@@ -42,11 +42,12 @@ maturin build --release --out "$work/dist" >&2 || exit 1
 wheel=$(ls "$work"/dist/kvoffload-*-abi3-*.whl)
 echo "abi3_matrix: $(basename "$wheel")" >&2
 
-# The tree the tests read besides tests/ (README, docs, tools, benches, scripts), linked.
+# The tree the tests read besides tests/ (README, docs, tools, benches, scripts, the Rust
+# sources some tests read limits and messages from), linked.
 tree="$work/tree"
 mkdir -p "$tree"
 cp -r tests pyproject.toml "$tree/"
-for path in README.md docs tools benches scripts; do
+for path in README.md docs tools benches scripts rust; do
   ln -s "$repo/$path" "$tree/$path"
 done
 
