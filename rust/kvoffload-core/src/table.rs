@@ -1894,4 +1894,65 @@ mod tests {
         });
         t.validate().unwrap();
     }
+
+    /// The lock-free prefix count (what `lookup_prefix` answers while another thread holds the
+    /// manager) counts HITs only: a pending key ends the prefix, as a missing one does.
+    #[test]
+    fn lock_free_prefix_stops_at_a_pending_key() {
+        let mut t = table(4);
+        let (a, b, c): (&[u8], &[u8], &[u8]) = (b"key-a", b"key-b", b"key-c");
+        put(&mut t, 0, a);
+        t.insert(1, b, hash_key(b)); // pending: its store has not completed
+        put(&mut t, 2, c);
+        let shared = t.shared();
+        assert_eq!(shared.probe(b, hash_key(b)), Probe::Pending);
+        assert_eq!(shared.lookup_prefix(&[a, b, c]), Some(1));
+        assert_eq!(shared.lookup_prefix(&[b, a]), Some(0));
+        assert_eq!(shared.lookup_prefix(&[a, c, b]), Some(2));
+        assert_eq!(shared.lookup_prefix(&[a, c]), Some(2));
+        // Past the first batch of 32 keys too.
+        let mut t = table(40);
+        let keys: Vec<Vec<u8>> = (0..40u8).map(|i| vec![b'k', i]).collect();
+        for (i, k) in keys.iter().enumerate() {
+            if i == 35 {
+                t.insert(i as ChunkId, k, hash_key(k));
+            } else {
+                put(&mut t, i as ChunkId, k);
+            }
+        }
+        let shared = t.shared();
+        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        assert_eq!(shared.lookup_prefix(&refs), Some(35));
+    }
+
+    /// A lock-free release of one of two pins leaves one pin, which the writer sees and can add
+    /// to: a further load and two more completions balance, and only the last one makes the
+    /// chunk evictable.
+    #[test]
+    fn a_lock_free_release_of_one_of_two_pins_leaves_one() {
+        let mut t = table(1);
+        put(&mut t, 0, b"k");
+        assert!(t.pin(0));
+        assert!(!t.pin(0)); // two loads in flight
+        let shared = t.shared();
+        assert_eq!(shared.release(&[b"k"]), Release::Done);
+        assert_eq!(t.state(0), ChunkState::Ready(1));
+        assert!(!t.pin(0)); // a third load while the second is in flight
+        assert_eq!(t.state(0), ChunkState::Ready(2));
+        let mut order = Vec::new();
+        t.drain_releases(|c| order.push(c));
+        assert!(order.is_empty());
+        assert_eq!(shared.release(&[b"k"]), Release::Done);
+        assert_eq!(t.state(0), ChunkState::Ready(1));
+        t.drain_releases(|c| order.push(c));
+        assert!(
+            order.is_empty(),
+            "a chunk with a load in flight was made evictable"
+        );
+        assert_eq!(shared.release(&[b"k"]), Release::Done);
+        t.drain_releases(|c| order.push(c));
+        assert_eq!(order, vec![0]);
+        assert_eq!((t.state(0), t.num_evictable()), (ChunkState::Ready(0), 1));
+        t.validate().unwrap();
+    }
 }
