@@ -207,4 +207,41 @@ mod tests {
         assert_eq!(s.estimate(a), 7);
         s.validate().unwrap();
     }
+
+    /// A reset falls due at exactly ten counts per counter of a row (the row's width rounded up
+    /// to a power of two, at least 16), is foreseen by `would_admit_next` from that count on,
+    /// and halves the sample count rather than zeroing it.
+    #[test]
+    fn resets_fall_due_at_ten_counts_per_counter_and_halve_the_sample_count() {
+        let mut s = FrequencySketch::new(2, 16).unwrap();
+        let (a, b) = (sketch_hash(b"a"), sketch_hash(b"b"));
+        s.increment(a);
+        s.increment(a);
+        assert_eq!(s.estimate(a), 2);
+        for _ in 0..157 {
+            s.increment(b);
+        }
+        // 159 of 160 counts: no reset due, and the next offer sees a's 2 whole.
+        assert!(s.would_admit_next(a, false));
+        s.age_if_due();
+        assert_eq!((s.estimate(a), s.samples()), (2, 159));
+        s.increment(b);
+        // 160: the next offer comes after the reset, which halves a's 2.
+        assert!(!s.would_admit_next(a, false) && s.would_admit_next(a, true));
+        s.age_if_due();
+        assert_eq!((s.estimate(a), s.samples()), (1, 80));
+        s.validate().unwrap();
+        // Widths round up to a power of two, at least 16: 3 -> 16 (160 counts), 17 -> 32 (320).
+        for (width, due) in [(3, 160), (17, 320)] {
+            let mut t = FrequencySketch::new(2, width).unwrap();
+            for _ in 0..due - 1 {
+                t.increment(b);
+            }
+            t.age_if_due();
+            assert_eq!(t.samples(), due - 1, "width {width}");
+            t.increment(b);
+            t.age_if_due();
+            assert_eq!(t.samples(), due / 2, "width {width}");
+        }
+    }
 }

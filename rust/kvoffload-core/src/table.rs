@@ -1955,4 +1955,35 @@ mod tests {
         assert_eq!((t.state(0), t.num_evictable()), (ChunkState::Ready(0), 1));
         t.validate().unwrap();
     }
+
+    /// A lock-free release that meets a key it cannot release (absent, or longer than a slot
+    /// holds inline) gives back the pins it already dropped: all or none, as `unpin_all`.
+    #[test]
+    fn a_lock_free_release_that_meets_an_absent_or_long_key_gives_back_its_pins() {
+        let mut t = table(2);
+        let long = [7u8; INLINE_KEY + 1];
+        put(&mut t, 0, b"a");
+        put(&mut t, 1, &long);
+        for c in [0, 0, 1] {
+            t.check_pin(c, 1).unwrap();
+            t.pin(c);
+        }
+        let shared = t.shared();
+        let (a, absent): (&[u8], &[u8]) = (b"a", b"absent");
+        for keys in [[a, absent], [a, &long[..]], [a, a]] {
+            // The last: "a" twice drops its two pins, then a third key would need the writer.
+            let keys: Vec<&[u8]> = keys.iter().copied().chain([absent]).collect();
+            assert_eq!(shared.release(&keys), Release::Unsure);
+            assert_eq!(t.state(0), ChunkState::Ready(2));
+        }
+        let mut order = Vec::new();
+        t.drain_releases(|c| order.push(c));
+        assert!(order.is_empty());
+        assert_eq!(
+            t.unpin_all(&[0, 0, 1]).unwrap().as_slice(),
+            &[false, true, true]
+        );
+        assert_eq!(t.num_evictable(), 2);
+        t.validate().unwrap();
+    }
 }

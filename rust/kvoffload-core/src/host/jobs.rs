@@ -246,4 +246,39 @@ mod tests {
             assert_eq!(got, vec![(1, true), (2, false)]);
         }
     }
+
+    #[test]
+    fn a_running_job_is_not_cancelled() {
+        // Only a queued job can be cancelled: one already running copies to the end and
+        // reports its own result (cancelling it would not stop the copy).
+        let pool = one_thread();
+        let q = JobQueue::new();
+        let (started_tx, started_rx) = mpsc::channel::<()>();
+        let (tx, rx) = mpsc::channel::<()>();
+        q.submit(1, &pool, move || {
+            started_tx.send(()).unwrap();
+            rx.recv().unwrap();
+        })
+        .unwrap();
+        started_rx.recv().unwrap();
+        assert!(!q.cancel(1));
+        tx.send(()).unwrap();
+        q.wait_all();
+        assert_eq!(q.take_finished(), vec![(1, true)]);
+    }
+
+    #[test]
+    fn an_id_is_refused_until_its_result_is_taken() {
+        // A finished job's id stays taken until its result is: reused before, the results
+        // would name one id twice.
+        let pool = one_thread();
+        let q = JobQueue::new();
+        q.submit(4, &pool, || {}).unwrap();
+        q.wait_all();
+        assert!(q.submit(4, &pool, || {}).is_err());
+        assert_eq!(q.take_finished(), vec![(4, true)]);
+        q.submit(4, &pool, || {}).unwrap();
+        q.wait_all();
+        assert_eq!(q.take_finished(), vec![(4, true)]);
+    }
 }
