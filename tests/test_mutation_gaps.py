@@ -1,5 +1,5 @@
 """Tests added by a mutation-testing audit: each one kills a mutant that the rest of the suite let
-through (see the audit report). They run against the Rust manager through the Python binding.
+through (docs/reliability.md, "Mutation testing of the suite"). They run through the Python API.
 """
 
 from __future__ import annotations
