@@ -12,16 +12,13 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
+from _helpers import k
 from kvoffload import CPUOffloadingManager, LookupResult, ReqContext
 from kvoffload.errors import KeyStateError
 from kvoffload.reference.lru import LruPolicy
 from kvoffload.reference.policy import RequestContext
 from kvoffload.reference.sketch import FrequencySketch, sketch_hash
 from kvoffload.shadow import SHADOW_HITS, SHADOW_LOOKUPS
-
-
-def key(i: int) -> bytes:
-    return f"k{i}".encode() + (0).to_bytes(4, "big")
 
 
 class _BlockingTouchLru(LruPolicy):
@@ -62,7 +59,7 @@ def test_contended_lookup_prefix_counts_hits_only(blocking_policy_module: str) -
         8, cache_policy="BlockingTouchLru", cache_policy_module_path=blocking_policy_module
     )
     ctx = ReqContext("r")
-    a, b, c = key(1), key(2), key(3)
+    a, b, c = k(1), k(2), k(3)
     out = m.prepare_store([a, b, c], ctx)
     assert out is not None
     assert list(out.keys_to_store) == [a, b, c]
@@ -100,14 +97,14 @@ def test_contended_complete_load_is_all_or_nothing() -> None:
     """
     m = CPUOffloadingManager(16)
     ctx = ReqContext("r")
-    a, long_key, absent = key(1), b"L" * 64, key(2)
+    a, long_key, absent = k(1), b"L" * 64, k(2)
     out = m.prepare_store([a, long_key], ctx)
     assert out is not None
     m.complete_store([a, long_key], ctx)
     pins = 300
     for _ in range(pins):
         m.prepare_load([a, long_key], ctx)
-    big = [key(i) for i in range(100, 400_100)]  # touched, never stored
+    big = [k(i) for i in range(100, 400_100)]  # touched, never stored
     stop = threading.Event()
 
     def hold() -> None:
@@ -136,9 +133,9 @@ def test_contended_complete_load_is_all_or_nothing() -> None:
     # Each of the rounds dropped one pin of each key, no more: the rest are all there.
     for _ in range(pins - rounds):
         m.complete_load([a, long_key])
-    for k in (a, long_key):
+    for one in (a, long_key):
         with pytest.raises(KeyStateError):
-            m.complete_load([k])
+            m.complete_load([one])
 
 
 def test_lookup_of_a_long_key_asks_the_writer() -> None:
@@ -172,7 +169,7 @@ def test_shadow_counts_are_the_scheduler_s_lookups_and_hits() -> None:
     """
     m = CPUOffloadingManager(8, cache_policy="lru", shadow_policies=["fifo"])
     ctx = ReqContext(req_id="r")
-    a, b, c = key(1), key(2), key(3)
+    a, b, c = k(1), k(2), k(3)
     out = m.prepare_store([a, b], ctx)
     assert out is not None
     m.complete_store([a, b], ctx)
