@@ -205,3 +205,36 @@ fn two_releases_of_two_pins_queue_the_slot_once() {
         t.validate().unwrap();
     });
 }
+
+/// Key `k` in slot 0 with one pin. A release of `k` runs while the writer drops that pin itself
+/// (as a load's completion under the lock would), evicts `k` and gives the slot to `j`, which
+/// is stored and pinned. Whatever the order, the release never takes `j`'s pin: once the slot
+/// has a new key (a new sequence number), a release still retrying on it must back off.
+#[test]
+fn a_release_retrying_on_a_slot_that_changed_keys_backs_off() {
+    model(|| {
+        let (mut t, releaser) = pinned_and_releasing();
+        let rekeyed = t.unpin_all(&[0]).is_ok();
+        if rekeyed {
+            t.remove(0);
+            t.insert(0, b"j", hash_key(b"j"));
+            assert!(t.complete_store(0));
+            t.check_pin(0, 1).unwrap();
+            t.pin(0);
+        }
+        let released = releaser.join().unwrap();
+        let mut queued = Vec::new();
+        t.drain_releases(|c| queued.push(c));
+        if rekeyed {
+            assert_eq!(released, Release::Unsure);
+            assert_eq!(t.state(0), ChunkState::Ready(1), "j keeps its pin");
+            assert!(queued.is_empty());
+            assert_eq!(t.key(0).as_ref(), b"j");
+        } else {
+            // The release took k's pin first: the writer's own drop found none.
+            assert_eq!(released, Release::Done);
+            assert_eq!((t.state(0), queued), (ChunkState::Ready(0), vec![0]));
+        }
+        t.validate().unwrap();
+    });
+}
