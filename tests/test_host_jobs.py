@@ -335,3 +335,17 @@ def test_replay_with_eviction_churn(policy: str) -> None:
     assert counts["failed"] > 5
     assert counts["cancelled"] > 0, counts
     pool.close()
+
+
+def test_the_largest_job_id_is_two_to_the_64_minus_one() -> None:
+    top = 2**64 - 1
+    with HostPool(4, 64, num_threads=1, register_cuda=False) as pool:
+        src = blocks(4, 64, 2)
+        pool.submit_store(top, src, [2], [2])
+        pool.wait([top])
+        assert pool.get_finished() == [(top, True)]
+        pool.submit_load(top, src, [3], [2])
+        assert pool.cancel(top) in (True, False)  # the id is accepted, whatever the timing
+        pool.wait([top])
+        assert [job for job, _ in pool.get_finished()] == [top]
+        assert (pool.view()[2] == src[2]).all()

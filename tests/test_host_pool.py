@@ -464,3 +464,45 @@ def test_a_forked_child_copies_without_the_parents_threads() -> None:
     assert in_forked_child(child) == 0
     assert not pool.view().any()  # the child's private copy-on-write pages, not ours
     pool.close()
+
+
+def test_the_prefault_rate_is_mapped_gigabytes_per_second() -> None:
+    with HostPool(64, PAGE, register_cuda=False) as pool:
+        stats = pool.stats()
+        if stats.prefault_seconds > 0:
+            expected = stats.mapped_bytes / stats.prefault_seconds / 1e9
+            assert stats.prefault_gb_per_s == pytest.approx(expected)
+        else:  # too fast to time: an unbounded rate, not a division by zero
+            assert stats.prefault_gb_per_s == float("inf")
+
+
+@pytest.mark.parametrize("dtype", ["a", b"a", "<a4"])
+def test_a_deprecated_dtype_is_refused_before_numpy_warns(dtype: Any) -> None:
+    # With warnings shown rather than raised, numpy's DeprecationWarning must not appear at all:
+    # kvoffload refuses the spelling itself.
+    import warnings
+
+    with HostPool(4, 96, register_cuda=False) as pool, warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(InvalidArgumentError, match="numpy deprecates 'a'"):
+            pool.typed_view(dtype, (4,))
+    assert [str(w.message) for w in seen] == []
+
+
+def test_repr_says_closed() -> None:
+    pool = HostPool(2, PAGE, register_cuda=False)
+    assert repr(pool) == f"HostPool(num_chunks=2, chunk_bytes={PAGE}, pinned='pageable')"
+    pool.close()
+    assert repr(pool).endswith("pinned='pageable', closed)")
+
+
+@pytest.mark.parametrize("big", [2**63, 2**64 - 1])
+def test_unsigned_ids_beyond_int64_are_named_as_given(big: int) -> None:
+    # Not wrapped to a negative id by the int64 conversion: the error names the id passed.
+    with HostPool(4, 64, register_cuda=False) as pool:
+        src = np.zeros((4, 64), np.uint8)
+        ids = np.array([big], dtype=np.uint64)
+        with pytest.raises(BlockIndexError, match=f"^block ids holds {big}, out of range$"):
+            pool.gather(src, ids, [0])
+        with pytest.raises(BlockIndexError, match=f"^chunk ids holds {big}, out of range$"):
+            pool.scatter(src, [0], ids)

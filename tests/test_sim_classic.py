@@ -158,3 +158,13 @@ def test_classic_tables_count_objects(zipf_trace: ObjectTrace) -> None:
     for serving_only in ("chunk", "token", "bytes", "pending"):
         assert serving_only not in table
     assert format_curve(results).splitlines()[0].startswith("cache size (objects)")
+
+
+def test_a_hit_refreshes_lru_recency() -> None:
+    from kvoffload.sim.classic import run_classic
+
+    # Cache of 2: 1 and 2 miss, 1 hits (and becomes the most recent), 3 evicts 2, 1 hits again.
+    res = run_classic([1, 2, 1, 3, 1], SimConfig(num_chunks=2))
+    assert (res.hit_chunks, res.stored_chunks, res.evicted_chunks) == (2, 3, 1)
+    assert res.chunk_ops == 5 + 2 + 2 * 3
+    assert res.calls == {}  # classic mode times no call

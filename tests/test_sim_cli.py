@@ -290,3 +290,77 @@ def test_sim_refuses_values_the_generator_or_manager_refuse(
     assert says in captured.err
     assert captured.out == ""  # refused before the run began
     assert not list(tmp_path.iterdir())
+
+
+def test_sim_options_reach_the_config_and_the_workload(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvoffload.sim import working_set
+
+    out = tmp_path / "out"
+    argv = ["sim", "--requests", "40", "--seed", "5", "--sizes", "30,10", "--chunks", "20"]
+    argv += ["--max-running", "7", "--store-failure-prob", "0.25", "--bandwidth", "3"]
+    argv += ["--prefill-rate", "1234", "--decode-rate", "55", "--policies", "lru"]
+    argv += ["--jobs", "1", "--out", str(out), "--no-progress", "--no-plot"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    doc = json.loads((out / "sim.json").read_text())
+    config = doc["config"]
+    assert config["max_running"] == 7
+    assert config["store_failure_prob"] == 0.25
+    assert config["transfer_bytes_per_s"] == 3e9
+    assert (config["prefill_tokens_per_s"], config["decode_tokens_per_s"]) == (1234.0, 55.0)
+    wss = working_set(generate_workload("chat", GeneratorConfig(requests=40, seed=5)))
+    assert wss != working_set(generate_workload("chat", GeneratorConfig(requests=40)))
+    assert doc["working_set"] == wss
+    # --chunks adds its size to the curve; the side-by-side table is at that size.
+    assert [r["num_chunks"] for r in doc["results"]] == [10, 20, 30]
+    assert "chat at 20 chunks:" in text
+    assert sum(r["stores_failed"] for r in doc["results"]) > 0
+    # The speed line counts chunk operations, many per request.
+    speed = re.search(r"simulation speed: ([\d,]+) requests/s, ([\d,]+) chunk operations/s", text)
+    assert speed is not None
+    reqs, ops = (int(x.replace(",", "")) for x in speed.groups())
+    assert ops > 5 * reqs
+
+
+def test_sim_table_defaults_to_the_middle_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["sim", "--requests", "20", "--sizes", "10,20,30,40", "--policies", "lru"]
+    assert main([*argv, "--jobs", "1", "--out", str(tmp_path), "--no-progress", "--no-plot"]) == 0
+    assert "chat at 20 chunks:" in capsys.readouterr().out
+
+
+def test_sim_table_size_is_the_middle_one_of_sizes_given_in_any_order(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The sizes are sorted and deduplicated before the middle one is picked, and the header
+    # names them as the curve reports them.
+    argv = ["sim", "--requests", "20", "--sizes", "40,10,30,20,10", "--policies", "lru"]
+    assert main([*argv, "--jobs", "1", "--out", str(tmp_path), "--no-progress", "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "chat at 20 chunks:" in out
+    assert "sizes 10, 20, 30, 40" in out
+
+
+def test_sim_refuses_an_absent_object_id_column(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("1,2,3\n")
+    argv = ["sim", "--workload", str(trace), "--csv-columns", "1,0,3", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert "obj_id >= 1" in capsys.readouterr().err
+
+
+def test_libcachesim_comparison_counts_misses() -> None:
+    from kvoffload.sim.libcachesim_ref import LibCacheSimRun
+    from kvoffload.sim.results import SimResult
+
+    ours = SimResult("classic", "t", "lru", "rust", 10, requests=100, lookup_chunks=100)
+    ours.hit_chunks = 30
+    same = LibCacheSimRun("lru", 10, 0.7, 1.0, 100)
+    other = LibCacheSimRun("lru", 10, 0.3, 1.0, 100)
+    assert "(same)" in sim_cli._format_libcachesim([same], [ours])
+    assert "(differs)" in sim_cli._format_libcachesim([other], [ours])

@@ -230,3 +230,205 @@ def test_a_registered_name_reaches_the_worker_processes(
         (r.policy, r.num_chunks, r.hit_chunks) for r in here
     ]
     assert [r.policy for r in spawned] == ["oldest-first-test"] * 2 + ["lru"] * 2
+
+
+# -- exact small scenarios (mutation round 3) ---------------------------------------------------
+
+
+def _blocks(tag: str, n: int) -> tuple[bytes, ...]:
+    from kvoffload.sim.model import chain_hash
+
+    out: list[bytes] = []
+    parent = None
+    for i in range(n):
+        parent = chain_hash(parent, f"{tag}:{i}".encode())
+        out.append(parent)
+    return tuple(out)
+
+
+def test_simulated_time_follows_the_documented_model() -> None:
+    # r1 stores a 4-block prompt; r2, the same prompt 100 s later, loads 3 blocks (one token must
+    # be computed: the last block is not loaded), prefills 16 tokens, decodes 32 and stores its
+    # 2 output blocks. Every step's duration is the documented one.
+    prompt = (_blocks("p", 4),)
+    reqs = [
+        SimRequest("r1", 0.0, prompt),
+        SimRequest("r2", 100.0, prompt, output_tokens=32),
+    ]
+    cfg = SimConfig(
+        num_chunks=64,
+        chunk_bytes=1000,
+        transfer_bytes_per_s=1e4,  # 0.1 s per chunk
+        transfer_latency_s=0.5,
+        prefill_tokens_per_s=160.0,  # 0.1 s for the 16 computed tokens
+        decode_tokens_per_s=8.0,  # 4 s for 32 tokens
+    )
+    res, _ = _run(reqs, **dataclasses.asdict(cfg))
+    load = 0.5 + 3 * 0.1
+    prefill = 16 / 160.0
+    decode = 32 / 8.0
+    store = 0.5 + 2 * 0.1
+    assert res.sim_time_s == pytest.approx(100.0 + load + prefill + decode + store)
+    assert (res.hit_chunks, res.hit_tokens, res.lookup_chunks) == (3, 48, 8)
+    assert res.stored_chunks == 4 + 2
+
+
+def test_a_whole_prompt_hit_loads_all_but_its_last_block() -> None:
+    prompt = (_blocks("p", 3),)
+    reqs = [SimRequest("r1", 0.0, prompt), SimRequest("r2", 50.0, prompt)]
+    res, manager = _run(reqs, num_chunks=16)
+    _assert_settled(manager)
+    # r2's lookup finds all 3 blocks; only 2 are loaded (and count as hits).
+    assert res.hit_chunks == 2 == res.calls["prepare_load"].keys
+    assert res.hit_tokens == 32
+    assert res.prompt_tokens == 96
+    # r2 offers its last prompt block again (already stored: nothing new to store).
+    assert res.calls["prepare_store"].keys == 3 + 1
+    assert res.stored_chunks == 3
+
+
+@pytest.mark.parametrize("retries", [0, 1, 2, 3])
+def test_a_request_waits_at_most_max_pending_retries_times(retries: int) -> None:
+    # r1's store takes 1,000 s; r2 arrives while it is pending and looks up again every 2 ms, at
+    # most `retries` times, then computes its whole prompt.
+    prompt = (_blocks("p", 2),)
+    reqs = [SimRequest("r1", 0.0, prompt), SimRequest("r2", 1.0, prompt)]
+    res, manager = _run(reqs, num_chunks=16, transfer_latency_s=1000.0, max_pending_retries=retries)
+    _assert_settled(manager)
+    assert res.pending_waits == retries
+    assert res.hit_chunks == 0
+    assert res.calls["lookup"].calls == 2 * (1 + 1) + 2 * retries
+
+
+def test_every_timed_call_counts_one_timing_and_chunk_ops_count_keys() -> None:
+    reqs = generate_workload("zipf", GeneratorConfig(requests=40, seed=1))
+    res, _ = _run(reqs, num_chunks=working_set(reqs) // 4)
+    for kind, s in res.calls.items():
+        assert s.timings == s.calls, kind
+    # One operation per key passed, and one per call passing none (lookups of no key included).
+    assert res.chunk_ops == sum(s.keys for s in res.calls.values()) + sum(
+        s.calls for k, s in res.calls.items() if k in ("on_new_request", "on_request_finished")
+    )
+
+
+def test_the_seed_draws_the_failed_stores() -> None:
+    reqs = generate_workload("zipf", GeneratorConfig(requests=60, seed=1))
+    runs = [
+        _run(reqs, num_chunks=4000, store_failure_prob=0.5, seed=seed)[0].stores_failed
+        for seed in (1, 1, 2)
+    ]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_failed_stores_count_chunks() -> None:
+    prompt = (_blocks("p", 5),)
+    res, manager = _run([SimRequest("r1", 0.0, prompt)], num_chunks=16, store_failure_prob=1.0)
+    _assert_settled(manager)
+    assert (res.stores_failed, res.stored_chunks) == (5, 0)
+    assert len(manager.resident()) == 0
+
+
+def test_progress_counts_each_finished_request_once() -> None:
+    from kvoffload.sim.classic import run_classic
+
+    reqs = generate_workload("zipf", GeneratorConfig(requests=30, seed=1))
+    ticks: list[int] = []
+    run_serving(reqs, SimConfig(num_chunks=500), progress=ticks.append)
+    assert ticks == [1] * 30
+    # Classic mode reports every 10,000 requests, then the rest.
+    trace = zipf_object_trace(25_000, 100, seed=1)
+    ticks.clear()
+    run_classic(trace, SimConfig(num_chunks=10), progress=ticks.append)
+    assert ticks == [10_000, 10_000, 5_000]
+
+
+def test_a_negative_cache_size_is_refused_before_any_run() -> None:
+    reqs = generate_workload("zipf", GeneratorConfig(requests=10))
+    done: list[SimResult] = []
+    with pytest.raises(InvalidArgumentError, match=r"^cache sizes must be >= 0, got -1$"):
+        miss_ratio_curve(reqs, [100, -1], jobs=1, on_result=done.append)
+    assert done == []
+
+
+def test_a_serial_curve_reports_each_result_once_over_distinct_sizes() -> None:
+    reqs = generate_workload("zipf", GeneratorConfig(requests=20, seed=3))
+    seen: list[tuple[str, int]] = []
+    results = miss_ratio_curve(
+        reqs,
+        [50, 10, 50],
+        ("lru", "fifo"),
+        jobs=1,
+        on_result=lambda r: seen.append((r.policy, r.num_chunks)),
+    )
+    order = [("lru", 10), ("lru", 50), ("fifo", 10), ("fifo", 50)]
+    assert [(r.policy, r.num_chunks) for r in results] == order
+    assert seen == order
+
+
+def test_a_workload_given_by_name_or_path_names_the_result(tmp_path: Path) -> None:
+    from kvoffload.sim import write_object_trace
+
+    assert simulate("zipf", num_chunks=50).workload == "zipf"
+    path = tmp_path / "objects.txt"
+    write_object_trace(zipf_object_trace(100, 10), path, "txt")
+    res = simulate(path, num_chunks=5)
+    assert (res.workload, res.mode, res.requests) == ("objects.txt", "classic", 100)
+    assert simulate(path, name="mine", num_chunks=5).workload == "mine"
+
+
+def _result(mode: str = "serving", policy: str = "lru", size: int = 10, **kw: Any) -> SimResult:
+    return SimResult(mode=mode, workload="w", policy=policy, impl="rust", num_chunks=size, **kw)
+
+
+def test_result_figures_come_from_their_own_counts() -> None:
+    from kvoffload.workload import KindStats
+
+    r = _result(
+        chunk_bytes=1000,
+        requests=10,
+        lookup_chunks=40,
+        hit_chunks=10,
+        prompt_tokens=640,
+        hit_tokens=64,
+        stored_chunks=7,
+        chunk_ops=100,
+        wall_s=2.0,
+        timer_overhead_ns=100,
+        calls={"lookup": KindStats(calls=2, keys=10, timings=2, ns=1000)},
+        shadow_hit_rates={"arc": 0.25},
+    )
+    assert r.chunk_hit_ratio == 0.25
+    assert r.miss_ratio == 0.75
+    assert r.token_hit_ratio == 0.1
+    assert (r.bytes_loaded, r.bytes_stored) == (10_000, 7_000)
+    assert (r.requests_per_s, r.chunk_ops_per_s) == (5.0, 50.0)
+    assert r.ns_per_call("lookup") == 400.0  # (1000 - 2 x 100) / 2 calls
+    assert r.ns_per_call("touch") is None
+    row = r.csv_row()
+    assert row["shadow_arc_hit_rate"] == 0.25
+    assert "shadow_hit_rates" not in row
+    assert row["ns_per_lookup"] == 400.0
+
+
+def test_tables_print_the_right_figures() -> None:
+    from kvoffload.sim.results import _bytes
+
+    assert (_bytes(1023), _bytes(1024), _bytes(3 << 20)) == ("1,023 B", "1.0 KiB", "3.0 MiB")
+    a = _result(lookup_chunks=100, hit_chunks=30)
+    b = _result(policy="arc", lookup_chunks=100, hit_chunks=45)
+    curve = format_curve([a, b])
+    assert curve.splitlines()[0].split() == [
+        "cache",
+        "size",
+        "(chunks)",
+        "lru",
+        "miss",
+        "arc",
+        "miss",
+    ]
+    assert curve.splitlines()[2].split() == ["10", "0.7000", "0.5500"]
+    # A table mixing the modes counts chunks and keeps the serving rows.
+    mixed = format_comparison([a, _result(mode="classic", policy="arc", lookup_chunks=1)])
+    assert "cache size (chunks)" in mixed
+    assert "hit ratio (tokens)" in mixed

@@ -258,3 +258,132 @@ def test_object_trace_from_numpy() -> None:
     trace = ObjectTrace.from_ids(np.arange(4))
     assert len(trace) == 4
     assert json.dumps(trace.obj_ids.tolist()) == "[0, 1, 2, 3]"
+
+
+def test_groups_of_unequal_length_take_the_longest_prompt() -> None:
+    from kvoffload.sim.model import output_block_hash
+    from kvoffload.types import make_offload_key
+
+    a, b, c, d = (bytes([i]) * 32 for i in range(4))
+    req = SimRequest("r", 0.0, ((a, b, c), (d,)), output_tokens=16)
+    assert req.prompt_blocks() == 3
+    keys = req.keys()
+    assert keys.prompt_tokens == 48
+    assert keys.prompt_positions == (16, 16, 32, 48)
+    # Output block i of a group follows that group's own prompt, chained on its last hash.
+    assert keys.output == (
+        make_offload_key(output_block_hash("r", d, 0), 1),
+        make_offload_key(output_block_hash("r", c, 0), 0),
+    )
+    assert keys.output_positions == (32, 64)
+
+
+def test_csv_without_a_time_column_numbers_the_requests(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("7,100\n8,200\n7,300\n")
+    trace = read_object_trace(path, csv_columns=CsvColumns(obj_id=1, time=None, size=2))
+    assert trace.times.tolist() == [0, 1, 2]
+    assert trace.obj_ids.tolist() == [7, 8, 7]
+    assert trace.sizes.tolist() == [100, 200, 300]
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt"),
+    [
+        ("cluster52.bin", "oracleGeneral"),
+        ("W.oracleGeneral.bin", "oracleGeneral"),
+        ("a.JSON", "jsonl"),
+    ],
+)
+def test_trace_formats_told_by_name(name: str, fmt: str) -> None:
+    assert detect_format(name) == fmt
+
+
+def test_an_object_id_of_two_to_the_64_is_out_of_range(tmp_path: Path) -> None:
+    path = tmp_path / "t.txt"
+    path.write_text(f"{2**64 - 1}\n{2**64}\n")
+    with pytest.raises(TraceFormatError, match=r"t\.txt:2: object id 18446744073709551616 is out"):
+        read_object_trace(path)
+
+
+def test_output_hashes_need_one_list_per_kv_group(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    record = {"req_id": "r", "arrival": 0, "block_hashes": [["00"]], "output_hashes": [[], []]}
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:1: output_hashes must have one list per"):
+        read_jsonl(path)
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_output_tokens_are_the_output_blocks_tokens(name: str) -> None:
+    reqs = generate_workload(name, GeneratorConfig(requests=80, seed=1, kv_groups=2))
+    for r in reqs:
+        assert r.output_hashes is not None
+        assert r.output_tokens == 16 * len(r.output_hashes[0])
+        assert r.output_hashes[0] == r.output_hashes[1]
+    if name == "zipf":  # 0 to 8 output blocks: some requests store none
+        assert any(not r.output_hashes[0] for r in reqs)  # type: ignore[index]
+
+
+@pytest.mark.parametrize("name", ["rag", "agent", "zipf"])
+def test_requests_arrive_at_about_the_rate(name: str) -> None:
+    # About `rate` requests per second (agent: sessions of about 8 requests arrive at rate / 8);
+    # seeded, so the figure is the same run to run.
+    reqs = generate_workload(name, GeneratorConfig(requests=1500, seed=4, rate=10.0))
+    per_s = len(reqs) / reqs[-1].arrival
+    assert 6.0 < per_s < 15.0, per_s
+
+
+def test_generators_refuse_no_kv_group() -> None:
+    with pytest.raises(InvalidArgumentError, match="kv_groups >= 1"):
+        generate_workload("zipf", GeneratorConfig(requests=5, kv_groups=0))
+
+
+def test_rag_prompts_hold_four_distinct_documents() -> None:
+    from kvoffload.sim.model import chain_hash
+
+    for r in generate_workload("rag", GeneratorConfig(requests=5, seed=2)):
+        prompt = r.block_hashes[0]
+        docs: list[int] = []
+        p = 24  # after the system prompt: documents, block by block, then the question
+        while True:
+            parent = prompt[p - 1]
+            doc = next(
+                (d for d in range(400) if chain_hash(parent, b"doc%d:0" % d) == prompt[p]), None
+            )
+            if doc is None:
+                break
+            docs.append(doc)
+            i, p = 1, p + 1
+            while chain_hash(prompt[p - 1], b"doc%d:%d" % (doc, i)) == prompt[p]:
+                i, p = i + 1, p + 1
+        idx = int(r.req_id.removeprefix("rag-"))
+        assert chain_hash(prompt[p - 1], b"question%d:0" % idx) == prompt[p]
+        assert len(docs) == len(set(docs)) == 4
+
+
+def test_a_chat_follow_up_arrives_after_the_conversations_started_before_it() -> None:
+    # A follow-up turn is drawn from the conversations live when it is generated: it arrives
+    # no earlier than the Poisson arrival of any conversation started before it.
+    from kvoffload.workload import WorkloadConfig, generate
+
+    cfg = GeneratorConfig(requests=300, seed=6, rate=0.2)
+    arrival = {r.req_id: r.arrival for r in generate_workload("chat", cfg)}
+    specs = generate(WorkloadConfig(requests=300, seed=6)).requests
+    latest_new = 0.0
+    for spec in specs:
+        assert arrival[spec.req_id] >= latest_new
+        if spec.after is None:
+            latest_new = arrival[spec.req_id]
+        else:
+            assert arrival[spec.req_id] >= arrival[specs[spec.after].req_id] + 5.0
+
+
+def test_zipf_objects_draws_from_a_tenth_as_many_objects() -> None:
+    trace = load_workload("zipf-objects", generator=GeneratorConfig(requests=1000, alpha=0.0))
+    assert isinstance(trace, ObjectTrace)
+    assert len(trace) == 1000
+    ids = trace.obj_ids.tolist()
+    assert min(ids) >= 1
+    assert max(ids) <= 100
+    assert trace.num_objects > 90

@@ -136,3 +136,25 @@ def test_engines_whose_ids_differ_only_in_unnamable_characters_share_no_pool() -
     assert long != _shared_name("e" * 299)
     for name in (*names, long):
         assert re.fullmatch(r"[A-Za-z0-9_.-]+", name)
+
+
+def test_worker_reports_an_empty_job_and_refuses_negative_group_sizes(oracle: Any) -> None:
+    base = oracle.base
+    pages = (1024, 1024)
+    spec = worker_spec(oracle, 4, pages, bpc=2)
+    caches, _ = device_caches(base, pages, [[0], [1]], 8, seed=3)
+    worker = spec.get_worker(caches)
+    try:
+        # A job with no block: nothing to copy, reported at once as a success of 0 bytes.
+        assert worker.submit_store(1, gpu(base, [[], []], [0, 0]), cpu(oracle, []))
+        worker.wait({1})
+        assert [(r.job_id, r.success, r.transfer_size) for r in worker.get_finished()] == [
+            (1, True, 0)
+        ]
+        # Sizes that add up to the block count only thanks to a negative one.
+        dev = types.SimpleNamespace(block_ids=[0], group_sizes=[2, -1], block_indices=[0, 0])
+        with pytest.raises(InvalidArgumentError, match=r"group sizes \[2, -1\] do not add up"):
+            worker.submit_store(2, dev, cpu(oracle, [0]))
+        assert worker.get_finished() == []
+    finally:
+        worker.shutdown()

@@ -415,3 +415,26 @@ def test_managers_refuse_to_store_a_key_too_long_and_change_nothing(impl: str) -
     assert out is not None
     assert list(out.store_spec.chunk_ids) == [0]
     m.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("RustLRU", "lru"),
+        ("RustARC", "arc"),
+        ("RustFIFO", "fifo"),
+        ("RustSIEVE", "sieve"),
+        ("RustS3FIFO", "s3fifo"),
+        ("Rust2Q", "2q"),
+        ("RustSLRU", "slru"),
+        ("RustLFU", "lfu"),
+        ("RustARCPaper", "arc-paper"),
+    ],
+)
+def test_each_rust_policy_class_runs_the_policy_its_name_says(
+    vllm_mod: Any, name: str, kind: str
+) -> None:
+    # Spelled out here (docs/vllm.md), not derived from RUST_POLICIES, which it checks.
+    policy = getattr(vllm_mod, name)(8)
+    assert policy._core.policy_state()["policy"] == kind
+    assert kind in policy.__doc__

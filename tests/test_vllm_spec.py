@@ -324,3 +324,10 @@ def test_the_admission_settings_read_as_vllms_attributes(oracle: Any, vllm_mod: 
         assert getattr(ours, name) == getattr(theirs, name) == kwargs[name]
         with pytest.raises(AttributeError):
             setattr(ours, name, 3)  # read-only: the core keeps the setting
+
+
+def test_admission_defaults_are_vllms_spec_defaults(oracle: Any) -> None:
+    ours = make_spec(oracle, 8, OURS).get_manager()
+    theirs = make_spec(oracle, 8, {}).get_manager()
+    for name, default in (("store_threshold", 0), ("max_tracker_size", 64_000)):
+        assert getattr(ours, name) == getattr(theirs, name) == default

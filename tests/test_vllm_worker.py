@@ -671,3 +671,28 @@ def test_manager_and_worker_end_to_end(oracle: Any, base: Any, vllm_mod: Any, po
     assert counts["stored"] > 50, counts
     assert counts["failed"] > 0, counts
     worker.shutdown()
+
+
+def test_the_slot_must_hold_every_tensors_pages(oracle: Any, base: Any) -> None:
+    # Two 1000-byte pages per tensor (2 blocks per chunk), two tensors: 4,000 bytes exactly.
+    caches, _ = device_caches(base, (1000, 1000), [[0, 1]], 4, seed=21)
+    with HostPool(2, PAGE, register_cuda=False) as pool:
+        worker = HostPoolWorker(pool, caches, 2, slot_offset=96, slot_bytes=4000)
+        assert worker.pool is pool
+        with pytest.raises(InvalidArgumentError, match="take 4000 bytes, more than the worker's"):
+            HostPoolWorker(pool, caches, 2, slot_offset=96, slot_bytes=3999)
+        with pytest.raises(InvalidArgumentError, match="does not fit in a 4096-byte chunk"):
+            HostPoolWorker(pool, caches, 2, slot_offset=97, slot_bytes=4000)
+
+
+def test_a_layer_page_larger_than_its_tensors_page_is_refused(base: Any) -> None:
+    arr = np.zeros((4, 1024), dtype=np.uint8)
+    caches = base.CanonicalKVCaches(
+        tensors=[base.CanonicalKVCacheTensor(arr, 1024)],
+        group_data_refs=[[base.CanonicalKVCacheRef(0, 1024)], [base.CanonicalKVCacheRef(0, 1025)]],
+    )
+    with (
+        HostPool(2, PAGE, register_cuda=False) as pool,
+        pytest.raises(InvalidArgumentError, match="group 1: a 1025-byte page in tensor 0"),
+    ):
+        HostPoolWorker(pool, caches, 1)

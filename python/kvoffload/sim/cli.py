@@ -173,7 +173,9 @@ def _run(args: argparse.Namespace) -> int:
     wss = working_set(workload)
     if args.sizes == []:
         raise InvalidArgumentError("--sizes names no size (leave it out for the default sizes)")
-    sizes = args.sizes or sorted({max(1, int(wss * f)) for f in DEFAULT_FRACTIONS})
+    # Ascending and distinct (as the curve reports them), so that the table's default size is
+    # the middle one whatever order the sizes were given in.
+    sizes = sorted(set(args.sizes or {max(1, int(wss * f)) for f in DEFAULT_FRACTIONS}))
     table_size = args.chunks if args.chunks is not None else sizes[(len(sizes) - 1) // 2]
     if table_size not in sizes:
         sizes = sorted({*sizes, table_size})

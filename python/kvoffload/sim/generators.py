@@ -35,7 +35,9 @@ class GeneratorConfig:
     requests: int = 2000
     seed: int = 0
     kv_groups: int = 1
-    #: Mean arrival rate of new requests (chat: new conversations; agent: new sessions), per s.
+    #: Mean arrival rate of requests, per s: chat, rag and zipf draw each request's arrival from a
+    #: Poisson process of this rate (a chat follow-up comes no sooner than 5-60 s after the turn
+    #: before it); agent sessions start at ``rate / 8`` and make about 8 requests each.
     rate: float = 4.0
     #: Zipf exponent of popularity, >= 0 (rag's documents, agent's tool prompts, zipf's
     #: prefixes, zipf-objects' objects); chat keeps the ``kvoffload bench`` workload's exponent 1.
