@@ -2,7 +2,7 @@
 //! state against the model's (ARC lists compared by key, through the chunks' keys).
 
 use super::Harness;
-use crate::reference::{Key, Policy};
+use crate::reference::{Key, Policy, View};
 use kvoffload_core::{ChunkId, KeyBuf, PolicyState};
 
 impl Harness {
@@ -90,6 +90,7 @@ impl Harness {
                     b1: g1,
                     b2: g2,
                     target: mt,
+                    ..
                 },
             ) => {
                 assert_eq!(
@@ -110,6 +111,46 @@ impl Harness {
                     mt.to_bits(),
                     "step {step}: target {target} vs {mt}"
                 );
+            }
+            (
+                PolicyState::Queue {
+                    queue,
+                    parked,
+                    hand,
+                },
+                Policy::Own(_),
+            ) => {
+                let keyed = |v: Vec<(ChunkId, bool)>| {
+                    v.iter().map(|(c, b)| (key_of(c), *b)).collect::<Vec<_>>()
+                };
+                let got = View::Queue {
+                    queue: keyed(queue),
+                    parked: keyed(parked),
+                    hand: hand.as_ref().map(key_of),
+                };
+                assert_eq!(Some(got), self.model.own_view(), "step {step}: queue");
+            }
+            (
+                PolicyState::Queues {
+                    names,
+                    linked,
+                    parked,
+                    ghosts,
+                },
+                Policy::Own(_),
+            ) => {
+                let keyed = |v: Vec<Vec<(ChunkId, u8)>>| {
+                    v.into_iter()
+                        .map(|q| q.iter().map(|(c, f)| (key_of(c), *f)).collect())
+                        .collect::<Vec<Vec<_>>>()
+                };
+                let got = View::Queues {
+                    names: names.to_vec(),
+                    linked: keyed(linked),
+                    parked: keyed(parked),
+                    ghosts: ghosts.into_iter().map(|k| k.to_vec()).collect(),
+                };
+                assert_eq!(Some(got), self.model.own_view(), "step {step}: queues");
             }
             (got, _) => panic!("step {step}: policy kind mismatch: {got:?}"),
         }

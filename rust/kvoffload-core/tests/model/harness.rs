@@ -17,8 +17,8 @@ pub(crate) use illegal::Illegal;
 use super::reference::{Key, Model, Refusal, Req};
 use kvoffload_core::{CoreError, Hints, Manager, ManagerConfig, PolicyKind, RequestState};
 
-/// Length of a position table: 8 block hashes x 2 groups; block `h`, `g`-th group at `2h + g`.
-pub(crate) const MAX_KEYS: usize = 16;
+/// Length of a position table: 16 block hashes x 2 groups; block `h`, `g`-th group at `2h + g`.
+pub(crate) const MAX_KEYS: usize = 32;
 
 /// One manager configuration plus the requests' initial token positions.
 #[derive(Debug, Clone)]
@@ -28,7 +28,7 @@ pub(crate) struct Config {
     pub(crate) events: bool,
     pub(crate) threshold: u64,
     pub(crate) tracker: usize,
-    /// Distinct block hashes (1..=8).
+    /// Distinct block hashes (1..=16).
     pub(crate) hashes: u8,
     /// The KV group indices in use (1 or 2 of them).
     pub(crate) groups: Vec<u32>,
@@ -235,7 +235,7 @@ impl Harness {
         .expect("valid config");
         let model = Model::new(
             cfg.num_chunks,
-            cfg.policy == PolicyKind::Arc,
+            cfg.policy,
             cfg.events,
             cfg.threshold,
             cfg.tracker,

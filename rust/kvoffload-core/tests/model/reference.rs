@@ -3,13 +3,19 @@
 //! Everything is a plain `Vec` scanned linearly: the resident chunks (in no particular order),
 //! the ARC lists (oldest first, a move is `remove` + `push`), the tracker (oldest first) and the
 //! request state (lists of keys). There are no indexes and no running counts that could drift:
-//! every count is recomputed from the lists when it is needed. Outputs use the crate's plain
-//! data types (`Lookup`, `StoreOutcome`, `Event`, `RawStats`) so the test can compare them.
+//! every count is recomputed from the lists when it is needed. The other policies' models
+//! (`reference_policies.rs`) are as plain. Outputs use the crate's plain data types (`Lookup`,
+//! `StoreOutcome`, `Event`, `RawStats`) so the test can compare them.
 
+#[path = "reference_policies.rs"]
+mod policies;
 #[path = "reference_policy.rs"]
 mod policy;
 
-use kvoffload_core::{ChunkId, Event, KeyBuf, Lookup, RawStats, StoreOutcome};
+pub(crate) use policies::View;
+
+use kvoffload_core::{ChunkId, Event, KeyBuf, Lookup, PolicyKind, RawStats, StoreOutcome};
+use policies::Own;
 
 /// Key bytes.
 pub(crate) type Key = Vec<u8>;
@@ -40,13 +46,50 @@ pub(crate) enum Policy {
         /// The next rank to issue (ranks start at 0).
         counter: u64,
     },
+    /// vLLM's ARC, or (`paper`) the FAST 2003 paper's as libCacheSim implements it.
     Arc {
         t1: Vec<Key>,
         t2: Vec<Key>,
         b1: Vec<Key>,
         b2: Vec<Key>,
         target: f64,
+        /// The paper's ARC rather than vLLM's.
+        paper: bool,
+        /// Paper: the first ghost of the last store miss report and whether it was in B2,
+        /// until that key is inserted (or the next report).
+        ghost_key: Option<(Key, bool)>,
     },
+    /// FIFO, SIEVE, S3-FIFO, 2Q, SLRU or LFU (`reference_policies.rs`).
+    Own(Own),
+}
+
+impl Policy {
+    /// An empty policy of `kind` for `num_chunks` chunks.
+    fn new(kind: PolicyKind, num_chunks: u32) -> Self {
+        match kind {
+            PolicyKind::Lru => Policy::Lru { counter: 0 },
+            PolicyKind::Arc | PolicyKind::ArcPaper => Policy::Arc {
+                t1: Vec::new(),
+                t2: Vec::new(),
+                b1: Vec::new(),
+                b2: Vec::new(),
+                target: 0.0,
+                paper: kind == PolicyKind::ArcPaper,
+                ghost_key: None,
+            },
+            other => Policy::Own(Own::new(other, num_chunks).expect("one of the own policies")),
+        }
+    }
+
+    /// Its kind.
+    fn kind(&self) -> PolicyKind {
+        match self {
+            Policy::Lru { .. } => PolicyKind::Lru,
+            Policy::Arc { paper: false, .. } => PolicyKind::Arc,
+            Policy::Arc { paper: true, .. } => PolicyKind::ArcPaper,
+            Policy::Own(o) => o.kind(),
+        }
+    }
 }
 
 /// What one request did since its cache generation began (SPEC "Request state").
@@ -143,22 +186,12 @@ fn count_offer(table: &mut Vec<(Key, u64)>, cap: usize, offer: &[Key]) {
 impl Model {
     pub(crate) fn new(
         num_chunks: u32,
-        arc: bool,
+        kind: PolicyKind,
         events_on: bool,
         threshold: u64,
         tracker_cap: usize,
     ) -> Self {
-        let policy = if arc {
-            Policy::Arc {
-                t1: Vec::new(),
-                t2: Vec::new(),
-                b1: Vec::new(),
-                b2: Vec::new(),
-                target: 0.0,
-            }
-        } else {
-            Policy::Lru { counter: 0 }
-        };
+        let policy = Policy::new(kind, num_chunks);
         Self {
             num_chunks,
             events_on,
@@ -240,6 +273,15 @@ impl Model {
 
     pub(crate) fn tracker(&self) -> Option<Vec<(Key, u64)>> {
         self.tracker.clone()
+    }
+
+    /// Own policies: the order, keys in place of chunk ids.
+    pub(crate) fn own_view(&self) -> Option<View> {
+        let Policy::Own(o) = &self.policy else {
+            return None;
+        };
+        let id = |k: &[u8]| self.chunks[self.find(k).expect("a listed key is resident")].id;
+        Some(o.view(&id))
     }
 
     /// LRU: `(chunk, rank)` by chunk id.
@@ -328,6 +370,9 @@ impl Model {
         for k in keys {
             let i = self.find(k).unwrap();
             self.chunks[i].refs -= 1;
+            if self.chunks[i].refs == 0 {
+                self.mark_evictable(k);
+            }
         }
         Ok(())
     }
@@ -443,6 +488,7 @@ impl Model {
             }
             if success {
                 self.chunks[i].refs = 0;
+                self.mark_evictable(k);
             } else {
                 let c = self.chunks.remove(i);
                 self.remove(k);
@@ -494,16 +540,7 @@ impl Model {
         self.chunks.clear();
         self.fresh = 0;
         self.free.clear();
-        self.policy = match self.policy {
-            Policy::Lru { .. } => Policy::Lru { counter: 0 },
-            Policy::Arc { .. } => Policy::Arc {
-                t1: Vec::new(),
-                t2: Vec::new(),
-                b1: Vec::new(),
-                b2: Vec::new(),
-                target: 0.0,
-            },
-        };
+        self.policy = Policy::new(self.policy.kind(), self.num_chunks);
         self.generation += 1;
     }
 

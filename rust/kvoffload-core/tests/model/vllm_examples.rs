@@ -49,13 +49,7 @@ impl Twin {
             admission: kvoffload_core::Admission::default(),
         })
         .unwrap();
-        let model = Model::new(
-            num_chunks,
-            policy == PolicyKind::Arc,
-            true,
-            threshold,
-            tracker,
-        );
+        let model = Model::new(num_chunks, policy, true, threshold, tracker);
         Self {
             state: mgr.new_request_state(),
             req: model.new_request(),
@@ -165,6 +159,7 @@ impl Twin {
             b1: g1,
             b2: g2,
             target: mt,
+            ..
         } = &self.model.policy
         else {
             panic!("model not ARC")
