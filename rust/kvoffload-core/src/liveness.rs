@@ -416,4 +416,47 @@ mod tests {
         start(&mut w, &mut refs, 0);
         assert_eq!(w.oldest(&refs), Some((0.0, 0)));
     }
+
+    /// The front leaves (the oldest write ended), then a write starts: the entries that left
+    /// are dropped from the vector, and the queue still starts at the oldest live write.
+    #[test]
+    fn a_write_started_after_the_front_left_keeps_the_oldest() {
+        let mut refs = table(3);
+        let mut w = PendingWrites::new();
+        w.set_now(1.0);
+        start(&mut w, &mut refs, 0);
+        w.set_now(2.0);
+        start(&mut w, &mut refs, 1);
+        refs.complete_store(0);
+        assert_eq!(w.oldest(&refs), Some((2.0, 1)));
+        w.set_now(3.0);
+        start(&mut w, &mut refs, 2);
+        assert_eq!(w.queued(), 2);
+        w.validate(&refs).unwrap();
+        assert_eq!(w.oldest(&refs), Some((2.0, 1)));
+        refs.complete_store(1);
+        assert_eq!(w.oldest(&refs), Some((3.0, 2)));
+        w.set_now(10.0);
+        assert_eq!(w.take_overdue(5.0, &refs), vec![2]);
+    }
+
+    /// As `dead_entries_stay_bounded_behind_a_stuck_write`, with an ended write ahead of the
+    /// stuck one: the compactions happen after the front has left.
+    #[test]
+    fn compacting_after_the_front_left_keeps_every_live_write() {
+        let mut refs = table(3);
+        let mut w = PendingWrites::new();
+        start(&mut w, &mut refs, 1);
+        refs.complete_store(1); // ends first: left at the front of the queue
+        w.set_now(1.0);
+        start(&mut w, &mut refs, 0); // never completes
+        for i in 0..500 {
+            w.set_now(f64::from(i) + 2.0);
+            start(&mut w, &mut refs, 2);
+            refs.remove(2);
+            assert!(w.queued() <= 2 * 3 + SLACK);
+            w.validate(&refs).unwrap();
+        }
+        assert_eq!(w.oldest(&refs), Some((1.0, 0)));
+    }
 }

@@ -447,4 +447,67 @@ mod tests {
     fn a_seen_key_needs_no_drop() {
         assert!(!std::mem::needs_drop::<SeenKey>());
     }
+
+    #[test]
+    fn truncating_undoes_a_recording_call_and_empties_its_added_list() {
+        let mut req = RequestState::new(0, 0);
+        let keys: Vec<Vec<u8>> = (1..=3).map(|i| key(i, 16)).collect();
+        add(&mut req, &keys[0]);
+        // A recording call adds two keys (as the manager's `record_new` does), then fails.
+        let mark = req.seen.len();
+        req.reserve(2);
+        req.added.clear();
+        for (i, k) in keys[1..].iter().enumerate() {
+            assert!(req.find_or_add(k, hash_key(k), None).1);
+            req.added.push(i as u32);
+        }
+        assert_eq!(req.last_added(), &[0, 1]);
+        req.truncate(mark);
+        assert!(
+            req.last_added().is_empty(),
+            "empty after a call that failed"
+        );
+        assert_eq!(
+            req.seen_keys().collect::<Vec<_>>(),
+            vec![keys[0].as_slice()]
+        );
+        assert_eq!(req.index_of(&keys[2]), None);
+    }
+
+    #[test]
+    fn truncating_a_key_of_exactly_the_inline_size_keeps_the_long_bytes() {
+        let mut req = RequestState::new(0, 0);
+        let a = key(1, 50);
+        // Inline (exactly `SEEN_INLINE` bytes), with first bytes that would read as offset 0.
+        let mut b = vec![0u8; SEEN_INLINE];
+        b[SEEN_INLINE - 1] = 9;
+        add(&mut req, &a);
+        add(&mut req, &b);
+        assert_eq!(req.long.len(), 50);
+        req.truncate(1);
+        assert_eq!(req.long.len(), 50, "b's bytes were inline: a's stay");
+        assert_eq!(req.seen_keys().collect::<Vec<_>>(), vec![a.as_slice()]);
+        assert_eq!(req.index_of(&a), Some(0));
+    }
+
+    /// The index stays at most half full as keys are added one call at a time, so a probe for
+    /// an absent key always ends at an empty place.
+    #[test]
+    fn the_index_stays_at_most_half_full() {
+        let mut req = RequestState::new(0, 0);
+        let keys: Vec<Vec<u8>> = (0..600u32).map(|i| i.to_le_bytes().to_vec()).collect();
+        for (j, k) in keys.iter().enumerate() {
+            assert_eq!(add(&mut req, k), (j, true));
+            assert!(
+                2 * req.seen.len() <= req.table.entries.len(),
+                "{} keys in an index of {}",
+                req.seen.len(),
+                req.table.entries.len()
+            );
+        }
+        for (j, k) in keys.iter().enumerate() {
+            assert_eq!(req.index_of(k), Some(j));
+        }
+        assert_eq!(req.index_of(b"absent"), None);
+    }
 }

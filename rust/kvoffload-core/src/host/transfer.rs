@@ -681,4 +681,77 @@ mod tests {
         assert!(mem[bb..2 * bb].iter().all(|&b| b == 0));
         assert_eq!(&mem[2 * bb..], &src[..bb]);
     }
+
+    #[test]
+    fn rejects_a_buffer_that_runs_into_the_region_from_below() {
+        let layout = ChunkLayout::new(4, 64).unwrap();
+        let r = region(layout);
+        let s = spec(64, 0, &[0], &[0]);
+        let g = Direction::Gather;
+        let below = r.as_ptr().wrapping_sub(64);
+        // SAFETY: the pointers are only compared, never dereferenced (no plan is executed).
+        let (into, around, next_to) = unsafe {
+            (
+                RawBuf::new(below, 128),
+                RawBuf::new(below, 64 * 6 + 128),
+                RawBuf::new(below, 64),
+            )
+        };
+        assert!(plan(&r, layout, g, into, &s).is_err());
+        assert!(plan(&r, layout, g, around, &s).is_err());
+        // Ending where the region starts is no overlap.
+        assert!(plan(&r, layout, g, next_to, &s).is_ok());
+    }
+
+    #[test]
+    fn blocks_go_to_their_offset_in_chunks_of_another_size() {
+        // 32-byte blocks at byte 16 of 64-byte chunks: the block stride is not the chunk's.
+        let layout = ChunkLayout::new(4, 64).unwrap();
+        let r = region(layout);
+        let src: Vec<u8> = (1..=96).collect();
+        let s = spec(32, 16, &[2, 0], &[1, 3]);
+        let p = plan(&r, layout, Direction::Gather, RawBuf::from_slice(&src), &s).unwrap();
+        assert_eq!(p.total_bytes(), 64);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        // SAFETY: `r` and `src` outlive the call.
+        unsafe { p.execute(&pool, 1) };
+        let mut want = vec![0u8; 4 * 64];
+        want[64 + 16..64 + 48].copy_from_slice(&src[64..96]);
+        want[3 * 64 + 16..3 * 64 + 48].copy_from_slice(&src[..32]);
+        // SAFETY: the region is mapped and no transfer runs.
+        let mem = unsafe { std::slice::from_raw_parts(r.as_ptr(), 4 * 64) };
+        assert_eq!(mem, want.as_slice());
+        // And back: chunk 3's block into buffer block 1, chunk 1's into block 2.
+        let mut dst = vec![0u8; 96];
+        let back = spec(32, 16, &[1, 2], &[3, 1]);
+        let p = plan(
+            &r,
+            layout,
+            Direction::Scatter,
+            RawBuf::from_mut_slice(&mut dst),
+            &back,
+        );
+        // SAFETY: `r` and `dst` outlive the call; nothing else touches them.
+        unsafe { p.unwrap().execute(&pool, 1) };
+        assert!(dst[..32].iter().all(|&b| b == 0));
+        assert_eq!(&dst[32..64], &src[..32]);
+        assert_eq!(&dst[64..], &src[64..]);
+    }
+
+    #[test]
+    fn a_scatter_may_target_more_blocks_than_the_pool_has_chunks() {
+        // 4 chunks, 200 buffer blocks: target block ids run past the number of chunks.
+        let layout = ChunkLayout::new(4, 8).unwrap();
+        let r = region(layout);
+        let mut dst = vec![0u8; 200 * 8];
+        let s = spec(8, 0, &[150, 199, 3, 70], &[0, 1, 2, 3]);
+        let buf = RawBuf::from_mut_slice(&mut dst);
+        assert!(plan(&r, layout, Direction::Scatter, buf, &s).is_ok());
+        let dup = spec(8, 0, &[150, 199, 150], &[0, 1, 2]);
+        let err = plan(&r, layout, Direction::Scatter, buf, &dup).unwrap_err();
+        assert!(err.to_string().contains("block id 150"), "{err}");
+    }
 }
