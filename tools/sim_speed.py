@@ -3,7 +3,7 @@
 Classic mode: a seeded Zipf object trace (``--requests`` over ``--objects`` objects, exponent 0.8)
 through kvoffload's manager (each implementation in ``--impls``) and through libCacheSim 0.3.5's
 own C simulator (``process_trace``), LRU and ARC, at 1% and 10% of the objects; the best of
-``--repeat`` runs (of ``--reference-repeat`` for the pure-Python reference, about ten times
+``--repeat`` runs (of ``--reference-repeat`` for the pure-Python reference, several times
 slower). Serving mode: the default ``kvoffload sim`` workload (chat, 2,000 requests) at
 1/8 of its working set. Prints a Markdown table (the README's).
 
@@ -55,7 +55,7 @@ def main() -> None:
         "--reference-repeat",
         type=int,
         default=1,
-        help="runs of the pure-Python reference (best kept; default 1: it is ten times slower)",
+        help="runs of the pure-Python reference (best kept; default 1: it is several times slower)",
     )
     parser.add_argument("--impls", default="rust,reference")
     args = parser.parse_args()
