@@ -236,13 +236,11 @@ def test_a_registered_name_reaches_the_worker_processes(
 
 
 def _blocks(tag: str, n: int) -> tuple[bytes, ...]:
-    from kvoffload.sim.model import chain_hash
+    """A prompt of ``n`` chained blocks, as the generators build them."""
+    from kvoffload.sim.generators import _extend
 
     out: list[bytes] = []
-    parent = None
-    for i in range(n):
-        parent = chain_hash(parent, f"{tag}:{i}".encode())
-        out.append(parent)
+    _extend(out, tag.encode(), n)
     return tuple(out)
 
 

@@ -92,12 +92,16 @@ def test_a_subclass_override_of_a_rust_policy_method_runs(oracle: Any, vllm_mod:
     assert type(vllm_mod.RustLRU(4).touch).__name__ == "builtin_function_or_method"
 
 
+def _two_group_worker(oracle: Any, seed: int) -> Any:
+    """A worker over two KV groups of 1,024-byte pages, 4 chunks of 2 blocks."""
+    pages = (1024, 1024)
+    caches, _ = device_caches(oracle.base, pages, [[0], [1]], 8, seed=seed)
+    return worker_spec(oracle, 4, pages, bpc=2).get_worker(caches)
+
+
 def test_worker_refuses_malformed_group_sizes_and_block_indices(oracle: Any) -> None:
     base = oracle.base
-    pages = (1024, 1024)
-    spec = worker_spec(oracle, 4, pages, bpc=2)
-    caches, _ = device_caches(base, pages, [[0], [1]], 8, seed=1)
-    worker = spec.get_worker(caches)
+    worker = _two_group_worker(oracle, seed=1)
     try:
         bad = [
             (["a", 0], [0, 0], "group_sizes must be a sequence of ints"),
@@ -140,10 +144,7 @@ def test_engines_whose_ids_differ_only_in_unnamable_characters_share_no_pool() -
 
 def test_worker_reports_an_empty_job_and_refuses_negative_group_sizes(oracle: Any) -> None:
     base = oracle.base
-    pages = (1024, 1024)
-    spec = worker_spec(oracle, 4, pages, bpc=2)
-    caches, _ = device_caches(base, pages, [[0], [1]], 8, seed=3)
-    worker = spec.get_worker(caches)
+    worker = _two_group_worker(oracle, seed=3)
     try:
         # A job with no block: nothing to copy, reported at once as a success of 0 bytes.
         assert worker.submit_store(1, gpu(base, [[], []], [0, 0]), cpu(oracle, []))
