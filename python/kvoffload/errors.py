@@ -12,6 +12,7 @@ __all__ = [
     "BlockIndexError",
     "CudaRegistrationError",
     "DuplicateKeyError",
+    "ForkedWhileBusyError",
     "HostMemoryError",
     "InvalidArgumentError",
     "InvalidKeyError",
@@ -104,6 +105,16 @@ class PolicyError(KVOffloadError, RuntimeError):
     """A plug-in cache policy broke its contract; the manager refused the result.
 
     For example, ``evict`` chose a key it may not evict.
+    """
+
+
+class ForkedWhileBusyError(KVOffloadError, RuntimeError):
+    """The process is a fork's child, made while another thread was inside a call of the manager.
+
+    A fork waits for calls of the Rust managers that other threads are running to end, so the
+    child's copies are whole; only a call whose Python cache policy does not return within a
+    second is left behind, and the child's copy of that manager raises this from every call that
+    needs its lock.
     """
 
 

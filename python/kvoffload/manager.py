@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
-from kvoffload import _native, types
+from kvoffload import _forks, _native, types
 from kvoffload._common import (
     arc_target,
     build_stats,
@@ -147,6 +147,7 @@ class CPUOffloadingManager:
             timeout,
             clock,
         )
+        _forks.track(self._core)
         self._pending_write_timeout = timeout
         self._liveness_stats = timeout is not None and self._types is types
         self._num_chunks = num_chunks

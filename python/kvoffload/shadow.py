@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvoffload import _native
+from kvoffload import _forks, _native
 from kvoffload.errors import InvalidArgumentError
 from kvoffload.types import LookupResult, OffloadingStats, ReqContext
 
@@ -82,6 +82,7 @@ class _Shadow:
         self.core = _native.ManagerCore(
             num_chunks, policy, False, store_threshold, max_tracker_size
         )
+        _forks.track(self.core)
         self.total = HitCounts(policy, "shadow")
         self.since_report = HitCounts(policy, "shadow")
 

@@ -27,6 +27,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(host::_before_fork, m)?)?;
     m.add_function(wrap_pyfunction!(host::_after_fork_in_parent, m)?)?;
     m.add_function(wrap_pyfunction!(host::_after_fork_in_child, m)?)?;
+    m.add_function(wrap_pyfunction!(manager::_managers_before_fork, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        manager::_managers_after_fork_in_parent,
+        m
+    )?)?;
+    m.add_function(wrap_pyfunction!(manager::_managers_after_fork_in_child, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

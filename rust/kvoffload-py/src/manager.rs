@@ -17,8 +17,10 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::time::{Duration, Instant};
 
 /// Why the manager could not be locked.
 enum LockError {
@@ -28,6 +30,9 @@ enum LockError {
     Reentrant,
     /// A request state held by this thread's call that runs a Python policy.
     StateInUse,
+    /// This process is a fork's child, and another thread of the parent held the lock at the
+    /// fork: that thread does not exist here, so the lock is never released.
+    Orphaned,
 }
 
 impl LockError {
@@ -42,6 +47,14 @@ impl LockError {
                     .into(),
             ),
             LockError::StateInUse => crate::request::in_use(py),
+            LockError::Orphaned => raise(
+                py,
+                "ForkedWhileBusyError",
+                "this process was forked while another thread was inside a call of this manager \
+                 (its Python cache policy did not return in time); that call never ends in the \
+                 forked child, so the manager cannot be used here"
+                    .into(),
+            ),
         }
     }
 }
@@ -407,6 +420,92 @@ impl From<StateLockError> for LockError {
 /// new keys meanwhile.
 const FINISH_TRIES: usize = 4;
 
+/// A manager's lock, held by the forking thread from just before a fork to just after it.
+struct ForkHold {
+    /// Declared first, so dropped (the lock released) before `owner`.
+    _guard: MutexGuard<'static, Core>,
+    /// The manager whose mutex `_guard` locks, kept alive while the guard is.
+    owner: Py<ManagerCore>,
+}
+
+thread_local! {
+    /// The locks [`_managers_before_fork`] took on this thread, released after the fork.
+    static FORK_HOLDS: RefCell<Vec<ForkHold>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Fork hook, before a fork: lock every manager of `cores`, waiting for calls that other
+/// threads are running to end, so that the child's copy of each is one no call is halfway
+/// through, and unlocked. Managers with a Python policy are locked first (their policy may
+/// call a built-in one), each waited for at most `python_wait_s` seconds in all.
+#[pyfunction]
+pub(crate) fn _managers_before_fork(
+    py: Python<'_>,
+    cores: Vec<Bound<'_, ManagerCore>>,
+    python_wait_s: f64,
+) {
+    let wait = Duration::try_from_secs_f64(python_wait_s).unwrap_or(Duration::ZERO);
+    let deadline = Instant::now()
+        .checked_add(wait)
+        .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400));
+    let mut cores = cores;
+    cores.sort_by_key(|c| !c.get().python_policy);
+    for c in cores {
+        let held = FORK_HOLDS.with(|h| {
+            h.borrow()
+                .iter()
+                .any(|f| std::ptr::eq(f.owner.get(), c.get()))
+        });
+        if held {
+            continue;
+        }
+        let owner = c.unbind();
+        // SAFETY: the reference points into the Python object `owner` owns a strong reference
+        // to, which stays where it is while it lives (a frozen pyclass is never moved or
+        // mutably borrowed). The only borrow made from it, `guard`, is stored next to `owner`
+        // in a `ForkHold`, whose field order drops the guard before the reference.
+        let core: &'static ManagerCore = unsafe { &*std::ptr::from_ref(owner.get()) };
+        if let Some(guard) = core.lock_for_fork(py, deadline) {
+            FORK_HOLDS.with(|h| {
+                h.borrow_mut().push(ForkHold {
+                    _guard: guard,
+                    owner,
+                });
+            });
+        }
+    }
+}
+
+/// Release what [`_managers_before_fork`] locked on this thread (each dropped outside the
+/// list's borrow: a manager's last reference may go with it).
+fn release_fork_holds() {
+    let holds = FORK_HOLDS.with(|h| std::mem::take(&mut *h.borrow_mut()));
+    drop(holds);
+}
+
+/// Fork hook, in the parent after a fork (or a failed one): unlock the managers.
+#[pyfunction]
+pub(crate) fn _managers_after_fork_in_parent() {
+    release_fork_holds();
+}
+
+/// Fork hook, in the child: unlock the managers held through the fork; a manager of `cores`
+/// whose lock another thread still held (its wait timed out, or it was made during the fork's
+/// hooks) is marked orphaned, so that calls raise `ForkedWhileBusyError` instead of waiting
+/// for a thread this process does not have.
+#[pyfunction]
+pub(crate) fn _managers_after_fork_in_child(cores: Vec<Bound<'_, ManagerCore>>) {
+    release_fork_holds();
+    for c in cores {
+        let core = c.get();
+        if core.python_policy && core.busy.load(Ordering::Acquire) == thread_mark() {
+            continue; // forked from inside its policy: this thread's call goes on
+        }
+        if let Err(TryLockError::WouldBlock) = core.inner.try_lock() {
+            core.orphaned.store(true, Ordering::Release);
+        }
+    }
+}
+
 /// An address unique to the calling thread while it lives.
 pub(crate) fn thread_mark() -> usize {
     thread_local!(static MARK: u8 = const { 0 });
@@ -428,7 +527,7 @@ impl std::ops::DerefMut for Core {
 }
 
 /// The Rust manager; `kvoffload.CPUOffloadingManager` adapts it to vLLM's API.
-#[pyclass(frozen, module = "kvoffload._native")]
+#[pyclass(frozen, weakref, module = "kvoffload._native")]
 pub(crate) struct ManagerCore {
     inner: Mutex<Core>,
     /// The policy's name (a Python policy's class name).
@@ -437,6 +536,10 @@ pub(crate) struct ManagerCore {
     python_policy: bool,
     /// With a Python policy: the thread running a call that may run the policy (0: none).
     busy: AtomicUsize,
+    /// Set in a fork's child when another thread held the lock at the fork (see
+    /// [`_managers_after_fork_in_child`]): calls that find the lock taken raise instead of
+    /// waiting for ever.
+    orphaned: AtomicBool,
     /// Whether the policy reads token positions during calls (LRU does; ARC only at finish).
     reads_positions: bool,
     /// The classes results are built from when not `kvoffload.types`' (vLLM's, say).
@@ -495,6 +598,11 @@ impl ManagerCore {
     /// holder's own thread) is refused instead of deadlocking.
     fn acquire(&self, py: Python<'_>) -> Result<MutexGuard<'_, Core>, LockError> {
         if !self.python_policy {
+            match self.inner.try_lock() {
+                Ok(guard) => return Ok(applied(guard)),
+                Err(TryLockError::Poisoned(_)) => return Err(LockError::Poisoned),
+                Err(TryLockError::WouldBlock) => self.check_orphaned()?,
+            }
             return self
                 .inner
                 .lock_py_attached(py)
@@ -510,12 +618,67 @@ impl ManagerCore {
                     if self.busy.load(Ordering::Acquire) == thread_mark() {
                         return Err(LockError::Reentrant);
                     }
+                    self.check_orphaned()?;
                     spins += 1;
                     py.detach(|| {
                         if spins < 64 {
                             std::thread::yield_now();
                         } else {
                             std::thread::sleep(std::time::Duration::from_micros(50));
+                        }
+                    });
+                }
+            }
+        }
+    }
+
+    /// Lock the manager from a detached call (see [`acquire`](Self::acquire)).
+    fn lock_detached(&self) -> Result<MutexGuard<'_, Core>, LockError> {
+        match self.inner.try_lock() {
+            Ok(guard) => Ok(guard),
+            Err(TryLockError::Poisoned(_)) => Err(LockError::Poisoned),
+            Err(TryLockError::WouldBlock) => {
+                self.check_orphaned()?;
+                self.inner.lock().map_err(|_| LockError::Poisoned)
+            }
+        }
+    }
+
+    /// `Err(Orphaned)` in a fork's child whose copy of the lock no thread will release.
+    fn check_orphaned(&self) -> Result<(), LockError> {
+        if self.orphaned.load(Ordering::Acquire) {
+            Err(LockError::Orphaned)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Lock the manager for a fork, waiting (detached) for a call another thread runs to end;
+    /// with a Python policy, whose code may wait on anything, at most until `deadline`. `None`:
+    /// not locked (the deadline passed, the lock is poisoned, or this thread holds it: a fork
+    /// from inside the policy, whose call goes on in the child as in the parent).
+    fn lock_for_fork(&self, py: Python<'_>, deadline: Instant) -> Option<MutexGuard<'_, Core>> {
+        if !self.python_policy {
+            // No Python code runs under a built-in policy's lock, so its holder is another
+            // thread, in Rust, on its way to releasing it.
+            return self.inner.lock_py_attached(py).ok();
+        }
+        if self.busy.load(Ordering::Acquire) == thread_mark() {
+            return None;
+        }
+        let mut spins = 0u32;
+        loop {
+            match self.inner.try_lock() {
+                Ok(guard) => return Some(guard),
+                Err(TryLockError::Poisoned(_)) => return None,
+                Err(TryLockError::WouldBlock) if Instant::now() >= deadline => return None,
+                Err(TryLockError::WouldBlock) => {
+                    spins += 1;
+                    py.detach(|| {
+                        if spins < 64 {
+                            std::thread::yield_now();
+                        } else {
+                            std::thread::sleep(Duration::from_micros(50));
                         }
                     });
                 }
@@ -552,7 +715,7 @@ impl ManagerCore {
     ) -> PyResult<(R, Option<PyErr>)> {
         if self.detaches(keys.len()) {
             let out = py.detach(|| {
-                let mut m = applied(self.inner.lock().map_err(|_| LockError::Poisoned)?);
+                let mut m = applied(self.lock_detached()?);
                 let mut s = match state {
                     Some(st) => Some(st.lock_detached().map_err(LockError::from)?),
                     None => None,
@@ -994,6 +1157,7 @@ impl ManagerCore {
             policy: name,
             python_policy,
             busy: AtomicUsize::new(0),
+            orphaned: AtomicBool::new(false),
             types,
             liveness,
         })

@@ -1,0 +1,235 @@
+"""A process that forks while another of its threads is inside a manager call.
+
+The forking thread holds every Rust manager's lock across the fork (`kvoffload._forks`), so the
+child gets each manager whole and unlocked; before, a child forked in the middle of another
+thread's call had that manager locked for good, and its first call waited for ever. Each
+scenario runs in a child Python with a time limit: a regression hangs instead of failing.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+#: A scenario given more than this has hung.
+TIME_LIMIT_S = 120
+
+#: Shared by the scenarios: fork, run ``child`` in the child, and return its exit status (the
+#: child is killed, and the status is "hung", past ``limit`` seconds).
+_FORK = """
+import os, sys, time, threading, types
+import kvoffload
+from kvoffload import CPUOffloadingManager, ReqContext
+
+def fork_and_wait(child, limit=30.0):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            child()
+        except BaseException as e:  # any failure is the child's exit status
+            print(f"child failed: {e!r}", file=sys.stderr, flush=True)
+            os._exit(3)
+        os._exit(0)
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return "hung"
+
+def plug_in(name, cls):
+    module = types.ModuleType(name)
+    setattr(module, cls.__name__, cls)
+    sys.modules[name] = module
+    return dict(cache_policy=cls.__name__, cache_policy_module_path=name)
+"""
+
+
+def _run(script: str) -> str:
+    """Run ``_FORK`` and ``script`` in a child Python; its output, once it exited cleanly."""
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _FORK + textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=TIME_LIMIT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.strip()
+
+
+def test_a_fork_during_long_builtin_calls_gives_the_child_a_working_manager() -> None:
+    # Touches of 200,000 keys run detached from the interpreter, holding the manager's lock for
+    # milliseconds each, back to back on another thread: most forks land inside one.
+    out = _run("""
+        n = 200_000
+        m = CPUOffloadingManager(n)
+        keys = [b"k%d" % i for i in range(n)]
+        ctx = ReqContext(req_id="fill")
+        for i in range(0, n, 10_000):
+            m.prepare_store(keys[i : i + 10_000], ctx)
+            m.complete_store(keys[i : i + 10_000], ctx)
+        stop = threading.Event()
+
+        def toucher():
+            c = ReqContext(req_id="touch")
+            while not stop.is_set():
+                m.touch(keys, c)
+
+        t = threading.Thread(target=toucher)
+        t.start()
+        time.sleep(0.05)
+
+        def child():
+            c = ReqContext(req_id="child")
+            assert m.lookup_prefix(keys[:64], c) == 64
+            out = m.prepare_store([b"new"], c)
+            assert out is not None and out.keys_to_store == [b"new"], out
+            m.complete_store([b"new"], c)
+            m.touch(keys[:1000], c)
+            m.check_invariants()
+
+        statuses = [fork_and_wait(child) for _ in range(8)]
+        stop.set()
+        t.join()
+        m.check_invariants()
+        print(statuses)
+    """)
+    assert out == str([0] * 8)
+
+
+def test_a_fork_waits_for_a_python_policy_call_and_the_child_sees_it_done() -> None:
+    # The policy's touch takes 0.3 s, well within the fork's wait: the fork happens after the
+    # call, so the child's manager has the touch applied and is unlocked.
+    out = _run("""
+        from kvoffload.reference.lru import LruPolicy
+        entered = threading.Event()
+
+        class SlowTouch(LruPolicy):
+            def touch(self, keys, req_context):
+                if list(keys) == [b"a"]:
+                    entered.set()
+                    time.sleep(0.3)
+                super().touch(keys, req_context)
+
+        m = CPUOffloadingManager(2, **plug_in("slow_touch", SlowTouch))
+        ctx = ReqContext(req_id="r")
+        m.prepare_store([b"a", b"b"], ctx)
+        m.complete_store([b"a", b"b"], ctx)
+        t = threading.Thread(target=m.touch, args=([b"a"], ctx))
+        t.start()
+        assert entered.wait(30)
+
+        def child():
+            c = ReqContext(req_id="child")
+            out = m.prepare_store([b"c"], c)
+            # "a" was touched before the fork, so "b" is the least recent and goes.
+            assert out is not None and out.evicted_keys == [b"b"], out
+            m.check_invariants()
+
+        status = fork_and_wait(child)
+        t.join()
+        print(status)
+    """)
+    assert out == "0"
+
+
+def test_a_child_forked_while_a_python_policy_is_stuck_gets_an_error_not_a_hang() -> None:
+    # The policy waits for the forking thread itself: the fork gives up waiting after a second,
+    # and the child's copy of that manager refuses calls that need its lock; lookups, which
+    # need none, still answer. The parent's manager is unharmed once the policy returns.
+    out = _run("""
+        from kvoffload import ForkedWhileBusyError
+        from kvoffload.reference.lru import LruPolicy
+        entered, release = threading.Event(), threading.Event()
+
+        class Stuck(LruPolicy):
+            def touch(self, keys, req_context):
+                if list(keys) == [b"a"]:
+                    entered.set()
+                    release.wait()
+                super().touch(keys, req_context)
+
+        m = CPUOffloadingManager(2, **plug_in("stuck", Stuck))
+        other = CPUOffloadingManager(2)
+        ctx = ReqContext(req_id="r")
+        m.prepare_store([b"a"], ctx)
+        m.complete_store([b"a"], ctx)
+        t = threading.Thread(target=m.touch, args=([b"a"], ctx))
+        t.start()
+        assert entered.wait(30)
+
+        def child():
+            c = ReqContext(req_id="child")
+            assert m.lookup(b"a", c).name == "HIT"
+            for call in (lambda: m.prepare_store([b"b"], c), m.get_stats):
+                try:
+                    call()
+                except ForkedWhileBusyError as e:
+                    assert "forked" in str(e), e
+                else:
+                    raise AssertionError("no ForkedWhileBusyError")
+            assert other.prepare_store([b"x"], c).keys_to_store == [b"x"]
+
+        status = fork_and_wait(child)
+        release.set()
+        t.join()
+        assert m.prepare_store([b"b"], ctx).keys_to_store == [b"b"]
+        m.check_invariants()
+        print(status)
+    """)
+    assert out == "0"
+
+
+def test_a_fork_from_inside_a_policy_lets_the_call_finish_in_the_child() -> None:
+    # The forking thread holds the manager's lock itself: the fork must not wait for it, and in
+    # the child the same call goes on, returns and unlocks the manager.
+    out = _run("""
+        from kvoffload.reference.lru import LruPolicy
+        children = []
+
+        class Forks(LruPolicy):
+            def touch(self, keys, req_context):
+                if list(keys) == [b"a"] and not children:
+                    pid = os.fork()
+                    children.append(pid)
+                super().touch(keys, req_context)
+
+        m = CPUOffloadingManager(2, **plug_in("forks", Forks))
+        ctx = ReqContext(req_id="r")
+        m.prepare_store([b"a"], ctx)
+        m.complete_store([b"a"], ctx)
+        m.touch([b"a"], ctx)
+        if children[0] == 0:
+            try:
+                assert m.prepare_store([b"b"], ctx).keys_to_store == [b"b"]
+                m.check_invariants()
+            except BaseException:
+                os._exit(3)
+            os._exit(0)
+        _, status = os.waitpid(children[0], 0)
+        m.check_invariants()
+        print(os.waitstatus_to_exitcode(status))
+    """)
+    assert out == "0"
+
+
+def test_shadow_managers_are_held_across_a_fork_too() -> None:
+    out = _run("""
+        m = CPUOffloadingManager(4, shadow_policies=["arc"])
+        ctx = ReqContext(req_id="r")
+        m.prepare_store([b"a"], ctx)
+        m.complete_store([b"a"], ctx)
+        cores = list(kvoffload._forks._cores)
+        print(len(cores))
+
+        def child():
+            assert m.prepare_store([b"b"], ReqContext(req_id="c")).keys_to_store == [b"b"]
+
+        print(fork_and_wait(child))
+    """)
+    assert out.split() == ["2", "0"]
