@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -52,3 +53,20 @@ def vllm_mod(oracle: Any) -> Any:
     import kvoffload.integrations.vllm as integration
 
     return integration
+
+
+@pytest.fixture
+def saved_figures(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, Path, dict[str, Any]]]:
+    """Every (figure, path, keyword arguments) that ``Figure.savefig`` is called with; each
+    figure is still saved."""
+    from matplotlib.figure import Figure
+
+    saves: list[tuple[Any, Path, dict[str, Any]]] = []
+    real = Figure.savefig
+
+    def savefig(fig: Any, path: Any, **kwargs: Any) -> None:
+        saves.append((fig, Path(path), kwargs))
+        real(fig, path, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return saves

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -231,3 +234,156 @@ def test_bench_header_counts_keys_and_distinct_keys(capsys: pytest.CaptureFixtur
     assert (
         f"({wl.num_keys:,} keys, {wl.num_unique_keys:,} distinct), 64 chunks, 2 KV group(s)" in out
     )
+
+
+# -- kvoffload bench --json and --plot (mutation round: bench.py's outputs) ----------------------
+
+
+def test_bench_json_holds_the_workload_options_and_every_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import kvoffload
+    from kvoffload.workload import CALL_KINDS, WorkloadConfig, generate
+
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--requests", "40", "--kv-groups", "2", "--chunks", "64", "--repeat", "2"]
+    argv += ["--impls", "reference,rust", "--no-progress", "--json", str(path)]
+    assert main(argv) == 0
+    assert not (tmp_path / "bench.png").exists()
+    text = path.read_text()
+    assert text.endswith("}\n")
+    doc = json.loads(text)
+    assert doc["kvoffload_version"] == kvoffload.__version__
+    config = WorkloadConfig(requests=40, kv_groups=2)
+    wl = generate(config)
+    assert doc["workload"] == {
+        **json.loads(json.dumps(dataclasses.asdict(config))),
+        "num_keys": wl.num_keys,
+        "num_unique_keys": wl.num_unique_keys,
+    }
+    assert (doc["chunks"], doc["events"], doc["repeat"]) == (64, False, 2)
+    pairs = [(r["policy"], r["impl"]) for r in doc["runs"]]
+    assert pairs == [("lru", "reference"), ("lru", "rust"), ("arc", "reference"), ("arc", "rust")]
+    assert all(r["digest"] == doc["runs"][0]["digest"] for r in doc["runs"][:2])
+    assert doc["identical"] == {"lru": True, "arc": True}
+    assert list(doc["speedups"]) == ["lru", "arc"]
+    assert list(doc["speedups"]["lru"]) == ["rust"]  # the reference is the baseline
+    assert set(doc["speedups"]["lru"]["rust"]) == {*CALL_KINDS, "total"}
+    assert doc["speedups_over_vllm"] == {}  # vLLM did not run
+    assert "identical answers from reference, rust" in capsys.readouterr().out
+
+
+def test_bench_json_says_which_policy_disagreed(
+    broken: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bench.json"
+    argv = bench("--impls", f"rust,{broken}:IgnoresTouch", "--json", str(path), "--events")
+    assert main(argv) == 1
+    doc = json.loads(path.read_text())
+    out = capsys.readouterr().out
+    assert "arc: MISMATCH" in out
+    assert doc["identical"] == {"lru": "lru: MISMATCH" not in out, "arc": False}
+    assert doc["events"] is True
+
+
+def test_bench_output_that_cannot_be_written_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    full = Path("/dev/full")  # every write fails with ENOSPC, even for root
+    if not full.exists():
+        pytest.skip("no /dev/full")
+    argv = ["bench", "--requests", "20", "--policies", "lru", "--impls", "rust", "--no-progress"]
+    assert main([*argv, "--json", str(full)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvoffload bench: error: ")
+    assert "No space left on device" in err
+
+
+def test_bench_plot_draws_a_log_panel_per_policy_with_a_bar_per_implementation(
+    tmp_path: Path, saved_figures: list[tuple[Any, Path, dict[str, Any]]]
+) -> None:
+    import matplotlib.pyplot as plt
+
+    from kvoffload.bench import TABLE_KINDS
+
+    path = tmp_path / "bench.svg"  # the name's format, whatever it is
+    argv = ["bench", "--requests", "40", "--chunks", "64", "--impls", "reference,rust"]
+    figures = plt.get_fignums()
+    assert main([*argv, "--no-progress", "--plot", str(path)]) == 0
+    assert plt.get_fignums() == figures  # the figure is closed
+    assert path.read_text().startswith("<?xml")
+    ((fig, saved, kwargs),) = saved_figures
+    assert (saved, kwargs) == (path, {"dpi": 120})
+    lru, arc = fig.axes
+    assert lru.get_shared_y_axes().joined(lru, arc)
+    kinds = [*TABLE_KINDS, "total"]
+    for ax, policy in ((lru, "lru"), (arc, "arc")):
+        assert ax.get_title() == f"{policy}: ns per key"
+        assert ax.get_yscale() == "log"
+        assert [t.get_text() for t in ax.get_xticklabels()] == kinds
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["reference", "rust"]
+        assert len(ax.patches) == 2 * len(kinds)
+    assert not (tmp_path / "bench.png").exists()
+
+
+def test_bench_plot_places_each_implementation_s_bars_and_skips_a_missing_run(
+    tmp_path: Path, saved_figures: list[tuple[Any, Path, dict[str, Any]]]
+) -> None:
+    from kvoffload.bench import TABLE_KINDS, BenchRun, _plot
+    from kvoffload.workload import CALL_KINDS, KindStats, ReplayResult
+
+    def run(policy: str, impl: str, ns: int) -> BenchRun:
+        kinds = {k: KindStats(calls=1, keys=10, timings=1, ns=ns) for k in CALL_KINDS}
+        return BenchRun(policy, impl, ReplayResult(kinds, 0))
+
+    # vLLM has no fifo: its panel has the Rust manager's bars only, in the Rust manager's place.
+    runs = [run("lru", "vllm", 400), run("lru", "rust", 100), run("fifo", "rust", 200)]
+    _plot(tmp_path / "b.png", runs)
+    lru, fifo = saved_figures[0][0].axes
+    n = len(TABLE_KINDS) + 1
+    vllm_bars, rust_bars = lru.patches[:n], lru.patches[n:]
+    assert [b.get_height() for b in vllm_bars] == [40.0] * n  # ns/key; total: all kinds' ns/key
+    assert [b.get_x() + b.get_width() / 2 for b in vllm_bars] == pytest.approx(
+        [x - 0.2 for x in range(n)]
+    )
+    assert [b.get_x() + b.get_width() / 2 for b in rust_bars] == pytest.approx(
+        [x + 0.2 for x in range(n)]
+    )
+    assert [b.get_height() for b in fifo.patches] == [20.0] * n
+    assert [b.get_x() + b.get_width() / 2 for b in fifo.patches] == pytest.approx(
+        [x + 0.2 for x in range(n)]
+    )
+    assert [t.get_text() for t in fifo.get_legend().get_texts()] == ["rust"]
+
+
+def test_a_bench_plot_that_fails_to_save_closes_its_figure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    from kvoffload.bench import BenchRun, _plot
+    from kvoffload.workload import CALL_KINDS, KindStats, ReplayResult
+
+    def refuse(self: Figure, *args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    kinds = {k: KindStats(calls=1, keys=10, timings=1, ns=100) for k in CALL_KINDS}
+    before = plt.get_fignums()
+    monkeypatch.setattr(Figure, "savefig", refuse)
+    with pytest.raises(OSError, match="disk full"):
+        _plot(tmp_path / "b.png", [BenchRun("lru", "rust", ReplayResult(kinds, 0))])
+    assert plt.get_fignums() == before
+
+
+def test_bench_plot_without_matplotlib_says_so_on_stderr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    path = tmp_path / "bench.png"
+    argv = ["bench", "--requests", "20", "--policies", "lru", "--impls", "rust", "--no-progress"]
+    assert main([*argv, "--plot", str(path)]) == 0  # the table was made: only the plot is missing
+    captured = capsys.readouterr()
+    assert "--plot needs matplotlib" in captured.err
+    assert "matplotlib" not in captured.out
+    assert not path.exists()

@@ -8,6 +8,8 @@ import gc
 import mmap
 import os
 import signal
+import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -506,3 +508,92 @@ def test_unsigned_ids_beyond_int64_are_named_as_given(big: int) -> None:
             pool.gather(src, ids, [0])
         with pytest.raises(BlockIndexError, match=f"^chunk ids holds {big}, out of range$"):
             pool.scatter(src, [0], ids)
+
+
+# -- torch tensors, through a stand-in torch (none is installed here; mutation round) ------------
+
+
+class _FakeDevice:
+    def __init__(self, kind: str) -> None:
+        self.type = kind
+
+    def __str__(self) -> str:
+        return self.type if self.type == "cpu" else f"{self.type}:0"
+
+
+class _FakeTensor:
+    """What ``as_byte_buffer`` uses of a torch tensor, over a numpy array (its storage).
+
+    As torch's, ``numpy()`` refuses a tensor that requires grad and a bfloat16 one (numpy has no
+    bfloat16), so only a detached, byte-typed view can be handed to numpy.
+    """
+
+    def __init__(
+        self,
+        arr: np.ndarray[Any, Any],
+        dtype: str = "uint8",
+        device: str = "cpu",
+        requires_grad: bool = False,
+        contiguous: bool = True,
+    ) -> None:
+        self.arr, self.dtype, self.device = arr, dtype, _FakeDevice(device)
+        self.requires_grad, self.contiguous = requires_grad, contiguous
+
+    def is_contiguous(self) -> bool:
+        return self.contiguous
+
+    def detach(self) -> _FakeTensor:
+        return _FakeTensor(self.arr, self.dtype, self.device.type, False, self.contiguous)
+
+    def reshape(self, *shape: int) -> _FakeTensor:
+        return _FakeTensor(
+            self.arr.reshape(shape), self.dtype, self.device.type, self.requires_grad
+        )
+
+    def view(self, dtype: str) -> _FakeTensor:
+        assert dtype == "uint8", dtype
+        return _FakeTensor(self.arr.view(np.uint8), "uint8", self.device.type, self.requires_grad)
+
+    def numpy(self) -> np.ndarray[Any, Any]:
+        if self.requires_grad:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad.")
+        if self.dtype == "bfloat16":
+            raise TypeError("Got unsupported ScalarType BFloat16")
+        return self.arr
+
+
+@pytest.fixture
+def fake_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(
+        sys.modules, "torch", types.SimpleNamespace(Tensor=_FakeTensor, uint8="uint8")
+    )
+
+
+@pytest.mark.usefixtures("fake_torch")
+def test_a_cpu_tensor_is_read_and_written_in_place_as_bytes() -> None:
+    with HostPool(4, 64, register_cuda=False) as pool:
+        bits = np.arange(64, dtype=np.uint16).reshape(2, 32)  # bfloat16 [2, 32], as raw bits
+        pool.gather(_FakeTensor(bits, "bfloat16", requires_grad=True), [1], [3])
+        assert (pool.chunk(3, np.uint16) == bits[1]).all()
+        out = np.zeros((2, 32), np.uint16)
+        pool.scatter(_FakeTensor(out, "bfloat16"), [0], [3])  # zero-copy: the storage is written
+        assert (out[0] == bits[1]).all()
+
+
+@pytest.mark.usefixtures("fake_torch")
+@pytest.mark.parametrize("device", ["cuda", "mps", "meta"])
+def test_a_tensor_on_any_device_but_the_cpu_is_refused(device: str) -> None:
+    with HostPool(4, 64, register_cuda=False) as pool:
+        tensor = _FakeTensor(np.zeros(64, np.uint8), device=device)
+        with pytest.raises(
+            InvalidArgumentError, match=f"^a tensor on {device}:0 is not host memory"
+        ):
+            pool.gather(tensor, [0], [0])
+
+
+@pytest.mark.usefixtures("fake_torch")
+def test_a_tensor_that_is_not_contiguous_is_refused() -> None:
+    with HostPool(4, 64, register_cuda=False) as pool:
+        tensor = _FakeTensor(np.zeros(64, np.uint8), contiguous=False)
+        with pytest.raises(InvalidArgumentError, match=r"^the tensor is not contiguous$"):
+            pool.gather(tensor, [0], [0])

@@ -7,8 +7,10 @@ import json
 import re
 import struct
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -364,3 +366,113 @@ def test_libcachesim_comparison_counts_misses() -> None:
     other = LibCacheSimRun("lru", 10, 0.3, 1.0, 100)
     assert "(same)" in sim_cli._format_libcachesim([same], [ours])
     assert "(differs)" in sim_cli._format_libcachesim([other], [ours])
+
+
+# -- the miss-ratio plot, read back from matplotlib's objects (mutation round: sim/plot.py) ------
+
+
+def _curve_point(policy: str, size: int, hits: int, hit_tokens: int | None) -> Any:
+    """A serving result of 100 chunk lookups (and 1000 prompt tokens unless ``hit_tokens``
+    is None: a classic result, one object per request)."""
+    from kvoffload.sim import SimResult
+
+    return SimResult(
+        mode="serving" if hit_tokens is not None else "classic",
+        workload="w",
+        policy=policy,
+        impl="rust",
+        num_chunks=size,
+        lookup_chunks=100,
+        hit_chunks=hits,
+        prompt_tokens=0 if hit_tokens is None else 1000,
+        hit_tokens=hit_tokens or 0,
+    )
+
+
+def test_plot_draws_a_line_per_policy_and_a_token_line_where_it_differs(
+    tmp_path: Path, saved_figures: list[tuple[Any, Path, dict[str, Any]]]
+) -> None:
+    import matplotlib.pyplot as plt
+
+    from kvoffload.sim.plot import plot_curves
+
+    results = [
+        # Out of size order: the line goes by size. lru's token miss ratio differs from its chunk
+        # miss ratio by 0.05 at size 10 (several KV groups); arc's equals it (one group).
+        _curve_point("lru", 40, 60, 600),
+        _curve_point("lru", 10, 20, 250),
+        _curve_point("arc", 10, 30, 300),
+        _curve_point("arc", 40, 70, 700),
+    ]
+    figures = plt.get_fignums()
+    paths = plot_curves(results, tmp_path / "curve")
+    assert plt.get_fignums() == figures  # the figure is closed
+    assert paths == [tmp_path / "curve.png", tmp_path / "curve.svg"]
+    assert [path for _, path, _ in saved_figures] == paths
+    assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = paths[1].read_text()
+    assert svg.startswith("<?xml")
+    assert "<dc:date>" not in svg  # no date: the same results give the same file
+    (fig, _, _), (same, _, _) = saved_figures
+    assert same is fig
+    (ax,) = fig.axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines) == ["lru", "lru (tokens)", "arc"]
+    assert list(lines["lru"].get_xdata()) == [10, 40]
+    assert list(lines["lru"].get_ydata()) == pytest.approx([0.8, 0.4])
+    assert list(lines["arc"].get_ydata()) == pytest.approx([0.7, 0.3])
+    tokens = lines["lru (tokens)"]
+    assert list(tokens.get_xdata()) == [10, 40]
+    assert list(tokens.get_ydata()) == pytest.approx([0.75, 0.4])
+    assert tokens.get_linestyle() == "--"
+    assert tokens.get_color() == lines["lru"].get_color() != lines["arc"].get_color()
+    assert ax.get_xscale() == "log"
+    assert ax.xaxis.get_transform().base == 2
+    assert ax.get_xlabel() == "CPU cache size (chunks)"
+    assert ax.get_ylabel() == "miss ratio"
+    assert ax.get_ylim()[0] == 0
+    assert ax.get_title() == "miss-ratio curve"
+    legend = ax.get_legend()
+    assert legend is not None
+    assert [t.get_text() for t in legend.get_texts()] == ["lru", "lru (tokens)", "arc"]
+
+
+def test_plot_of_a_classic_curve_with_a_size_0_is_linear_in_objects(
+    tmp_path: Path, saved_figures: list[tuple[Any, Path, dict[str, Any]]]
+) -> None:
+    from kvoffload.sim.plot import plot_curves
+
+    results = [_curve_point("lru", 0, 0, None), _curve_point("lru", 8, 50, None)]
+    plot_curves(results, tmp_path / "classic", title="t: objects")
+    ax = saved_figures[0][0].axes[0]
+    assert ax.get_xscale() == "linear"  # log 2 has no place for a cache of 0 objects
+    assert ax.get_xlabel() == "cache size (objects)"
+    assert ax.get_title() == "t: objects"
+    assert [line.get_label() for line in ax.get_lines()] == ["lru"]  # no token line in classic
+
+
+def test_plot_of_no_result_still_writes_both_files(tmp_path: Path) -> None:
+    from kvoffload.sim.plot import plot_curves
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no legend without lines: matplotlib would warn
+        paths = plot_curves([], tmp_path / "empty")
+    assert all(path.stat().st_size > 0 for path in paths)
+
+
+def test_a_plot_that_fails_to_save_closes_its_figure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    from kvoffload.sim.plot import plot_curves
+
+    def refuse(self: Figure, *args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    before = plt.get_fignums()
+    monkeypatch.setattr(Figure, "savefig", refuse)
+    with pytest.raises(OSError, match="disk full"):
+        plot_curves([], tmp_path / "empty")
+    assert plt.get_fignums() == before

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import pickle
+import signal
 import subprocess
 import sys
+import threading
+import time
+import types
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +23,7 @@ from kvoffload.sim import (
     ObjectTrace,
     SimConfig,
     SimResult,
+    api,
     format_comparison,
     format_curve,
     generate_workload,
@@ -430,3 +438,117 @@ def test_tables_print_the_right_figures() -> None:
     mixed = format_comparison([a, _result(mode="classic", policy="arc", lookup_chunks=1)])
     assert "cache size (chunks)" in mixed
     assert "hit ratio (tokens)" in mixed
+
+
+# -- the worker processes: Ctrl-C while they start, results, in-process fallback (mutation round) -
+
+
+def test_a_parallel_curve_spawns_with_ctrl_c_ignored_and_reports_every_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    during_submit: list[Any] = []
+
+    class RecordingPool(ProcessPoolExecutor):
+        def submit(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            during_submit.append(signal.getsignal(signal.SIGINT))
+            return super().submit(*args, **kwargs)
+
+    monkeypatch.setattr(api, "ProcessPoolExecutor", RecordingPool)
+
+    def own_handler(signum: int, frame: Any) -> None:
+        raise AssertionError("no SIGINT is sent in this test")
+
+    reqs = generate_workload("zipf", GeneratorConfig(requests=30, seed=2))
+    seen: list[tuple[str, int]] = []
+    previous = signal.signal(signal.SIGINT, own_handler)
+    try:
+        results = miss_ratio_curve(
+            reqs,
+            [80, 20],
+            ("lru", "fifo"),
+            jobs=2,
+            on_result=lambda r: seen.append((r.policy, r.num_chunks)),
+        )
+        assert signal.getsignal(signal.SIGINT) is own_handler  # the caller's, given back
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    # The workers start at the first submit: a Ctrl-C then would end one with a traceback.
+    assert during_submit == [signal.SIG_IGN] * 4
+    order = [("lru", 20), ("lru", 80), ("fifo", 20), ("fifo", 80)]
+    assert [(r.policy, r.num_chunks) for r in results] == order
+    assert sorted(seen) == sorted(order)  # each once, as it finished
+
+
+def test_a_parallel_curve_runs_from_a_thread_other_than_the_main_one() -> None:
+    reqs = generate_workload("zipf", GeneratorConfig(requests=30, seed=2))
+    outcome: list[object] = []
+
+    def curve() -> None:
+        try:
+            outcome.append(miss_ratio_curve(reqs, [20, 80], ("lru",), jobs=2))
+        except BaseException as e:  # signal.signal outside the main thread: ValueError
+            outcome.append(e)
+
+    thread = threading.Thread(target=curve)
+    thread.start()
+    thread.join(120)
+    (results,) = outcome
+    assert isinstance(results, list), results
+    assert [r.num_chunks for r in results] == [20, 80]
+
+
+def test_a_program_read_from_stdin_runs_its_curve_in_this_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_pool(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("worker processes were started")
+
+    monkeypatch.setattr(api, "ProcessPoolExecutor", no_pool)
+    main = types.ModuleType("__main__")
+    main.__file__ = "<stdin>"  # what `python - < script.py` has: no file a worker could re-run
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    reqs = generate_workload("zipf", GeneratorConfig(requests=30, seed=2))
+    results = miss_ratio_curve(reqs, [20, 80], ("lru",), jobs=2)
+    assert [r.num_chunks for r in results] == [20, 80]
+    # A main module without a file (an interactive session) re-runs nothing: workers can start.
+    del main.__file__
+    with pytest.raises(AssertionError, match="worker processes were started"):
+        miss_ratio_curve(reqs, [20, 80], ("lru",), jobs=2)
+
+
+def test_stopping_the_workers_has_ended_them_when_it_returns() -> None:
+    pool = ProcessPoolExecutor(2, multiprocessing.get_context("spawn"))
+    try:
+        futures = [pool.submit(time.sleep, 60) for _ in range(4)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(f.running() for f in futures[:2]):
+            time.sleep(0.05)
+        processes = list(pool._processes.values())  # type: ignore[attr-defined]
+        assert len(processes) == 2
+        started = time.monotonic()
+        api._stop_workers(pool)
+        assert not [p for p in processes if p.is_alive()]
+        assert time.monotonic() - started < 30  # not the sleeps' minute
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_a_worker_ignores_ctrl_c_whatever_handler_it_started_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker spawned from the main thread inherits SIGINT ignored; one spawned from another
+    # thread starts with Python's handler, and only its initialiser then keeps a Ctrl-C (sent to
+    # the whole process group) from failing its run.
+    trace = zipf_object_trace(50, 10, seed=1)
+    path = tmp_path / "workload.pickle"
+    path.write_bytes(pickle.dumps(trace))
+    monkeypatch.setattr(api, "_WORKER_WORKLOAD", None)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        api._init_worker(str(path), {})
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    ran = api._run_in_worker(SimConfig(num_chunks=5), "t")  # on the workload it loaded
+    here = simulate(trace, SimConfig(num_chunks=5), name="t")
+    assert (ran.workload, ran.requests, ran.hit_chunks) == ("t", 50, here.hit_chunks)

@@ -511,24 +511,28 @@ def _plot(path: Path, runs: list[BenchRun]) -> None:
     fig, axes = plt.subplots(
         1, len(policies), figsize=(6.5 * len(policies), 4.5), squeeze=False, sharey=True
     )
-    width = 0.8 / max(1, len(impls))
-    for ax, policy in zip(axes[0], policies, strict=True):
-        for i, impl in enumerate(impls):
-            res = next((r.result for r in runs if r.policy == policy and r.impl == impl), None)
-            if res is None:
-                continue
-            values = [res.ns_per_key(k) if k != "total" else res.total_ns_per_key for k in kinds]
-            xs = [x + (i - (len(impls) - 1) / 2) * width for x in range(len(kinds))]
-            ax.bar(xs, [v or 0.0 for v in values], width, label=impl)
-        ax.set_yscale("log")
-        ax.set_title(f"{policy}: ns per key")
-        ax.set_xticks(range(len(kinds)))
-        ax.set_xticklabels(kinds, rotation=35, ha="right")
-        ax.grid(axis="y", which="both", alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        width = 0.8 / max(1, len(impls))
+        for ax, policy in zip(axes[0], policies, strict=True):
+            for i, impl in enumerate(impls):
+                res = next((r.result for r in runs if r.policy == policy and r.impl == impl), None)
+                if res is None:
+                    continue
+                values = [
+                    res.ns_per_key(k) if k != "total" else res.total_ns_per_key for k in kinds
+                ]
+                xs = [x + (i - (len(impls) - 1) / 2) * width for x in range(len(kinds))]
+                ax.bar(xs, [v or 0.0 for v in values], width, label=impl)
+            ax.set_yscale("log")
+            ax.set_title(f"{policy}: ns per key")
+            ax.set_xticks(range(len(kinds)))
+            ax.set_xticklabels(kinds, rotation=35, ha="right")
+            ax.grid(axis="y", which="both", alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
 
 
 if __name__ == "__main__":
