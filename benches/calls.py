@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from cases import IMPLS, KEYS_PER_OP, FilledCache, unavailable
 from kvoffload.workload import BLOCK_TOKENS, timer_overhead_ns
@@ -141,13 +141,14 @@ class Calls:
 
     def target(self, call: str) -> Callable[..., Any]:
         """The timed call."""
+        # The manager is untyped (Any): kvoffload's, the reference's or vLLM's, loaded at runtime.
         m = self.cache.manager
         if call == "finish":
-            return m.on_request_finished
+            return cast(Callable[..., Any], m.on_request_finished)
         if call == "new_request":
-            return m.on_new_request
+            return cast(Callable[..., Any], m.on_new_request)
         if call == "store_fail":
-            return m.complete_store
+            return cast(Callable[..., Any], m.complete_store)
         if call in ("take_events", "store_events"):
             events = self.events.manager
 
@@ -164,7 +165,7 @@ class Calls:
                 drain()
 
             return store_and_drain
-        return getattr(m, call)
+        return cast(Callable[..., Any], getattr(m, call))
 
     def after(self, call: str) -> None:
         """Untimed bookkeeping after a run of ``call``."""

@@ -64,13 +64,11 @@ LABELS = {
 }
 
 
-def _vllm_oracle() -> Any:
+def _vllm_oracle_on_path() -> None:
+    """Make ``import vllm_oracle`` (in tools/) work."""
     tools = str(Path(__file__).resolve().parent.parent / "tools")
     if tools not in sys.path:
         sys.path.insert(0, tools)
-    import vllm_oracle
-
-    return vllm_oracle
 
 
 def unavailable(impl: str, policy: str | None = None) -> str | None:
@@ -78,7 +76,10 @@ def unavailable(impl: str, policy: str | None = None) -> str | None:
     if impl == VLLM:
         if policy is not None and policy not in VLLM_POLICIES:
             return f"vLLM 0.33.0 has no {policy!r} policy"
-        return _vllm_oracle().unavailable_reason()
+        _vllm_oracle_on_path()
+        import vllm_oracle
+
+        return vllm_oracle.unavailable_reason()
     try:
         load_implementation(impl)
     except Exception as exc:  # an extension that is not built yet, typically
@@ -89,14 +90,18 @@ def unavailable(impl: str, policy: str | None = None) -> str | None:
 def manager_and_context(impl: str) -> tuple[type, type]:
     """The manager class of ``impl`` and the ``ReqContext`` class it reads."""
     if impl == VLLM:
-        oracle = _vllm_oracle().load()
+        _vllm_oracle_on_path()
+        import vllm_oracle
+
+        oracle = vllm_oracle.load()
         return oracle.CPUOffloadingManager, oracle.ReqContext
     return load_implementation(impl), ReqContext
 
 
 def make_keys(n: int, seed: int) -> list[bytes]:
     """``n`` distinct keys: 32 pseudo-random hash bytes + KV group 0, like a real engine's."""
-    rng, keys = random.Random(seed), []
+    rng = random.Random(seed)
+    keys: list[bytes] = []
     for lo in range(0, n, KEY_PIECE):  # randbytes takes at most 2**31 bits at once
         count = min(KEY_PIECE, n - lo)
         blob = rng.randbytes(32 * count)
@@ -162,7 +167,10 @@ class FilledCache:
                 lp(keys, ctx)
 
         else:  # vLLM: its connector looks keys up one by one until the first non-HIT
-            hit = _vllm_oracle().load().base.LookupResult.HIT
+            _vllm_oracle_on_path()
+            import vllm_oracle
+
+            hit = vllm_oracle.load().base.LookupResult.HIT
 
             def lookup_prefix(keys: list[bytes], ctx: ReqContext) -> None:
                 for key in keys:

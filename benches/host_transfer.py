@@ -103,8 +103,15 @@ def measure(
     # like-for-like copy into the same destination memory and the array-to-array copy.
     groups: list[list[str]] = [["numpy_rows"]]
     for t in threads:
-        ops[f"gather_t{t}"] = lambda t=t: pool.gather(src, block_order, chunk_order, threads=t)
-        ops[f"scatter_t{t}"] = lambda t=t: pool.scatter(back, block_order, chunk_order, threads=t)
+
+        def gather(t: int = t) -> None:
+            pool.gather(src, block_order, chunk_order, threads=t)
+
+        def scatter(t: int = t) -> None:
+            pool.scatter(back, block_order, chunk_order, threads=t)
+
+        ops[f"gather_t{t}"] = gather
+        ops[f"scatter_t{t}"] = scatter
         groups += [[f"gather_t{t}", "numpy_in", "numpy"], [f"scatter_t{t}", "numpy_out", "numpy"]]
     timings: dict[str, list[float]] = {name: [] for name in ops}
     ratios: dict[str, list[float]] = {}
@@ -123,9 +130,9 @@ def measure(
     pool.scatter(back, block_order, chunk_order, threads=1)
     assert (back == src).all()
     pool.close()
-    for name, ts in timings.items():
-        row[f"{name}_s"] = min(ts)
-        row[f"{name}_gb_s"] = n * block / min(ts) / 1e9
+    for name, runs in timings.items():
+        row[f"{name}_s"] = min(runs)
+        row[f"{name}_gb_s"] = n * block / min(runs) / 1e9
     for name, rs in ratios.items():
         row[name] = statistics.median(rs)
     return row

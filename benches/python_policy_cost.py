@@ -36,10 +36,11 @@ POLICIES: dict[str, tuple[str, str]] = {
 def managers(policy: str, chunks: int) -> dict[str, Any]:
     """The three managers for ``policy``, by label."""
     module, cls = POLICIES[policy]
-    plugin = {"cache_policy": cls, "cache_policy_module_path": module}
     return {
         "reference": ReferenceManager(chunks, cache_policy=policy),
-        "rust+python": CPUOffloadingManager(chunks, **plugin),
+        "rust+python": CPUOffloadingManager(
+            chunks, cache_policy=cls, cache_policy_module_path=module
+        ),
         "rust": CPUOffloadingManager(chunks, cache_policy=policy),
     }
 

@@ -858,7 +858,7 @@ def _scaling(
     return out
 
 
-def _memory(memory: dict[str, Any], docs: Path | None, targets: list[list[str]]) -> list[str]:
+def _memory(memory: dict[str, Any], docs: Path, targets: list[list[str]]) -> list[str]:
     """The memory section: bytes per chunk after a fill and, where measured, after a turnover
     (the state a running cache keeps: ARC's ghost lists full); the target takes the larger."""
     data = memory["bytes_per_chunk"]

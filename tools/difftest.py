@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.append(str(ROOT / "python"))  # an installed kvoffload wins over the source tree
 
-from tqdm import tqdm  # noqa: E402
+from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]  # noqa: E402
 
 import _driver  # noqa: E402  (tests/ is not a package)
 from kvoffload._common import BUILTIN_POLICIES  # noqa: E402
@@ -150,13 +150,13 @@ def main(argv: list[str] | None = None) -> int:
             _explain(failed[0], specs, introspect, args)
     print()
     for (policy, threshold), group in sorted(by_config.items()):
-        failed = [o.seed for o in group if o.mismatch]
+        failed_seeds = [o.seed for o in group if o.mismatch]
         calls = sum(o.calls for o in group)
         cpu = sum(o.seconds for o in group)
-        seeds = f" (seeds {', '.join(map(str, sorted(failed)[:10]))})" if failed else ""
+        seeds = f" (seeds {', '.join(map(str, sorted(failed_seeds)[:10]))})" if failed_seeds else ""
         print(
             f"{policy} threshold={threshold}: {len(group)} sequences, {calls:,} calls, "
-            f"{len(failed)} mismatches{seeds}, {cpu:.1f} s"
+            f"{len(failed_seeds)} mismatches{seeds}, {cpu:.1f} s"
         )
     print(f"total: {len(outcomes)} sequences, {bad} mismatches, {wall:.1f} s wall")
     return 1 if bad else 0

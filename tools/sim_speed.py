@@ -103,8 +103,8 @@ def main() -> None:
     )
     print("| simulator | policy | cache size | miss ratio | requests/s | chunk operations/s |")
     print("|---|---|---:|---:|---:|---:|")
-    for name, policy, size_s, miss, rps, ops in rows:
-        print(f"| {name} | {policy} | {size_s} | {miss:.4f} | {rps:,.0f} | {ops:,.0f} |")
+    for name, policy, size_s, miss, rps, ops_s in rows:
+        print(f"| {name} | {policy} | {size_s} | {miss:.4f} | {rps:,.0f} | {ops_s:,.0f} |")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +69,7 @@ class Report:
     snapshots: list[Snapshot] = field(default_factory=list)
 
 
-def key_refs(keys: list[bytes]) -> list[int]:
+def key_refs(keys: Sequence[bytes]) -> list[int]:
     """The reference count of each key object (always counted the same way)."""
     return [sys.getrefcount(k) for k in keys]
 

@@ -143,6 +143,8 @@ class Worker:
     def request(self, req: int) -> None:
         """One request's calls, start to finish."""
         m, rng = self.m, self.rng
+        if m is None:  # run() calls this only with a manager
+            raise RuntimeError("Worker.request needs a manager")
         ctx = ReqContext(f"t{self.tid}-{req}")
         keys = self.keys(req)
         for i, key in enumerate(keys):
@@ -276,17 +278,17 @@ def run(
         for tid in range(threads)
     ]
     check_trace: list[str] = []
-
-    def checker() -> None:
-        try:
-            while time.monotonic() < deadline:
-                m.check_invariants()  # one call, under the manager's lock: a consistent view
-                report.checks += 1
-        except BaseException:
-            check_trace.append(traceback.format_exc())
-
     targets: list[Callable[[], None]] = [w.run for w in workers]
     if m is not None:
+
+        def checker() -> None:
+            try:
+                while time.monotonic() < deadline:
+                    m.check_invariants()  # one call, under the manager's lock: a consistent view
+                    report.checks += 1
+            except BaseException:
+                check_trace.append(traceback.format_exc())
+
         targets.append(checker)
     started = threading.Barrier(len(targets) + 1)
 

@@ -88,7 +88,9 @@ class Manager(Protocol):
     def prepare_store(self, keys: Sequence[bytes], req_context: ReqContext, /) -> Any:
         """Allocate chunks for the absent keys of an offer, or return None."""
 
-    def complete_store(self, keys: Sequence[bytes], req_context: ReqContext, /, **kw: Any) -> None:
+    def complete_store(
+        self, keys: Sequence[bytes], req_context: ReqContext, /, success: bool = True
+    ) -> None:
         """Finish (or, with ``success=False``, abandon) stores."""
 
     def on_new_request(self, req_context: ReqContext, /) -> Any:
