@@ -9,12 +9,16 @@ import threading
 import time
 import types
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 
 from _helpers import k
-from kvoffload import CPUOffloadingManager, LookupResult, ReqContext
-from kvoffload.errors import KeyStateError
+from kvoffload import CPUOffloadingManager, LookupResult, ReqContext, _native
+from kvoffload.errors import InvalidArgumentError, InvalidKeyError, KeyStateError
+from kvoffload.policies import CachePolicy as PluginCachePolicy
+from kvoffload.policies import ChunkStatus
+from kvoffload.reference import CPUOffloadingManager as ReferenceManager
 from kvoffload.reference.lru import LruPolicy
 from kvoffload.reference.policy import RequestContext
 from kvoffload.reference.sketch import FrequencySketch, sketch_hash
@@ -209,3 +213,326 @@ def test_reference_sketch_resets_halve_the_sample_count() -> None:
             s.increment(h)
         s.age_if_due()  # due again after half a sample
         assert (s.samples, s.estimate(h)) == (due // 2, 7)
+
+
+class _RecordingFifo(PluginCachePolicy):
+    """A FIFO plug-in policy that records what the manager reports to it, and whose ``evict``
+    raises while ``fail_evict`` is set."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.chunks: dict[bytes, Any] = {}
+        self.fail_evict = False
+        self.decline_evict = False
+        self.misses: list[list[bytes]] = []
+        self.finished: list[tuple[set[bytes], set[bytes]]] = []
+        self.given: list[tuple[str, list[bytes]]] = []  # each call's key objects
+
+    def get(self, key: bytes) -> Any:
+        return self.chunks.get(key)
+
+    def insert(self, key: bytes, chunk: Any, req_context: Any) -> None:
+        self.given.append(("insert", [key]))
+        self.chunks[key] = chunk
+
+    def remove(self, key: bytes) -> None:
+        del self.chunks[key]
+
+    def touch(self, keys: Any, req_context: Any) -> None:
+        self.given.append(("touch", list(keys)))
+
+    def on_store_miss(self, keys: Any, req_context: Any) -> None:
+        self.given.append(("on_store_miss", list(keys)))
+        self.misses.append(list(keys))
+
+    def on_request_access(self, keys: Any, req_context: Any) -> None:
+        self.given.append(("on_request_access", list(keys)))
+
+    def on_request_finished(self, groups: Any, inserted: Any, reused: Any, ctx: Any) -> None:
+        self.finished.append((set(inserted), set(reused)))
+
+    def mark_evictable(self, key: bytes) -> None:
+        pass
+
+    def mark_non_evictable(self, key: bytes) -> None:
+        pass
+
+    def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, Any]] | None:
+        if self.fail_evict:
+            raise RuntimeError("evict failed")
+        if self.decline_evict:
+            return None
+        victims = [(k, c) for k, c in self.chunks.items() if c.ref_cnt == 0 and k not in protected]
+        if len(victims) < n:
+            return None
+        for key, _ in victims[:n]:
+            del self.chunks[key]
+        return victims[:n]
+
+    def clear(self) -> None:
+        self.chunks.clear()
+
+
+@pytest.fixture
+def recording_fifo() -> Iterator[dict[str, Any]]:
+    """Manager arguments that run `_RecordingFifo` as a plug-in policy."""
+    name = "kvoffload_mutation_gaps_recording"
+    module = types.ModuleType(name)
+    module.RecordingFifo = _RecordingFifo  # type: ignore[attr-defined]
+    sys.modules[name] = module
+    try:
+        yield {"cache_policy": "RecordingFifo", "cache_policy_module_path": name}
+    finally:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize("manager_cls", [CPUOffloadingManager, ReferenceManager])
+def test_an_offer_whose_evict_raises_marks_no_key_reused(
+    recording_fifo: dict[str, Any], manager_cls: Any
+) -> None:
+    """A ``prepare_store`` that fails in the policy's ``evict`` records nothing: a key the
+    request had seen and now offers while readable does not become reused, so the request's
+    finish reports it as neither inserted nor reused.
+
+    Kills the mutant that marks the readable keys reused before making room
+    (``mark_reused`` moved ahead of ``make_room_and_place`` in ``Manager::prepare_store``).
+    """
+    m = manager_cls(2, **recording_fifo)
+    writer, reader = ReqContext("writer"), ReqContext("reader")
+    x, y, a, b = k(1), k(2), k(3), k(4)
+    assert m.prepare_store([x, y], writer) is not None  # pending: nothing is evictable
+    assert m.prepare_store([a], reader) is None  # reader has now seen a, absent, not inserted
+    m.complete_store([x, y], writer)
+    out = m.prepare_store([a], writer)  # evicts x
+    assert out is not None
+    assert (list(out.keys_to_store), list(out.evicted_keys)) == ([a], [x])
+    m.complete_store([a], writer)
+    m.policy.fail_evict = True
+    with pytest.raises(RuntimeError, match="evict failed"):
+        m.prepare_store([a, b], reader)  # a readable; b needs y evicted: the policy raises
+    m.policy.fail_evict = False
+    m.on_request_finished(reader)
+    assert m.policy.finished == [(set(), set())]
+
+
+def test_a_completion_of_an_evicted_key_leaves_the_key_in_its_chunk_alone() -> None:
+    """Completing a store or a load of a key object whose chunk has since gone to another key
+    changes nothing: the other key stays pending, or pinned. The binding remembers the chunk
+    each key object went to, and may skip checking that guess only while the chunk still keeps
+    that very object.
+
+    Kills the mutant that vouches for every remembered guess (``Core::guesses``), which then
+    completes the other key's store or releases its pin.
+    """
+    m = CPUOffloadingManager(1, enable_events=True)
+    writer, other = ReqContext("writer"), ReqContext("other")
+    x, y = k(1), k(2)
+    assert m.prepare_store([x], writer) is not None
+    m.complete_store([x], writer)
+    out = m.prepare_store([y], other)  # evicts x; y takes x's chunk, pending
+    assert out is not None
+    assert list(out.evicted_keys) == [x]
+    list(m.take_events())
+    m.complete_store([x], writer)  # x is absent: ignored
+    assert m.lookup(y, other) is LookupResult.HIT_PENDING
+    assert list(m.take_events()) == []
+    m.complete_store([y], other)
+    assert m.lookup(y, other) is LookupResult.HIT
+    # The same for a load: x was loaded from the chunk that y now holds, pinned.
+    m.prepare_store([x], writer)  # evicts y
+    m.complete_store([x], writer)
+    m.prepare_load([x], writer)
+    m.complete_load([x], writer)
+    assert m.prepare_store([y], other) is not None  # evicts x again
+    m.complete_store([y], other)
+    m.prepare_load([y], other)
+    with pytest.raises(KeyStateError):
+        m.complete_load([x], writer)
+    assert m.resident() == {y: (0, 1)}
+    m.complete_load([y], other)
+    assert m.resident() == {y: (0, 0)}
+
+
+class _PinFailingFifo(_RecordingFifo):
+    """`_RecordingFifo` whose pin report of key ``fail_pin_of`` raises, and whose unpin reports
+    raise while ``fail_unpin`` is set."""
+
+    fail_pin_of: bytes | None = None
+    fail_unpin = False
+
+    def mark_non_evictable(self, key: bytes) -> None:
+        if key == self.fail_pin_of:
+            raise KeyError("first: pin")
+
+    def mark_evictable(self, key: bytes) -> None:
+        if self.fail_unpin:
+            raise ValueError("second: unpin")
+
+
+@pytest.mark.parametrize("manager_cls", [CPUOffloadingManager, ReferenceManager])
+def test_a_call_whose_policy_raises_twice_raises_the_first_exception(
+    manager_cls: Any,
+) -> None:
+    """A load whose second pin report raises undoes the first pin, and that report raises too:
+    the call raises the policy's first exception, and nothing stays pinned.
+
+    Kills the mutant that keeps the last exception of a call instead of the first
+    (``PythonPolicy::fail``).
+    """
+    name = "kvoffload_mutation_gaps_pin_failing"
+    module = types.ModuleType(name)
+    module.PinFailingFifo = _PinFailingFifo  # type: ignore[attr-defined]
+    sys.modules[name] = module
+    try:
+        m = manager_cls(4, cache_policy="PinFailingFifo", cache_policy_module_path=name)
+    finally:
+        del sys.modules[name]
+    ctx = ReqContext("r")
+    a, b = k(1), k(2)
+    assert m.prepare_store([a, b], ctx) is not None
+    m.complete_store([a, b], ctx)
+    m.policy.fail_pin_of = b
+    m.policy.fail_unpin = True
+    with pytest.raises(KeyError, match="first: pin"):
+        m.prepare_load([a, b], ctx)
+    assert m.resident() == {a: (0, 0), b: (1, 0)}
+
+
+def test_a_policy_core_gives_a_request_a_new_rank_after_clear() -> None:
+    """A ``PolicyCore`` (LRU) hands a request a request rank at its first access; after
+    ``clear`` that rank is stale, and the request's next access takes a fresh one from the
+    restarted counter, which its positioned insert then carries.
+
+    Kills the mutant that accepts a rank of an earlier generation (``Inner::current_rank``).
+    """
+    core = _native.PolicyCore("lru", 8)
+    plain = ReqContext("plain")
+    for i in range(4):
+        core.insert(k(i), ChunkStatus(i), plain)  # fresh ranks 0 to 3
+    ctx = ReqContext("r")
+    a, b = k(10), k(11)
+    ctx.set_offload_key_position(a, 10)
+    core.on_request_access([a], ctx)  # the request's rank: 4
+    assert core.policy_state()["next_rank"] == 5
+    core.clear()
+    core.insert(b, ChunkStatus(0), plain)  # fresh rank 0
+    core.on_request_access([a], ctx)  # stale rank: a new one, 1
+    core.insert(a, ChunkStatus(1), ctx)
+    state = core.policy_state()
+    assert state["ranks"] == {b: (0, 0), a: (1, -10)}
+    assert state["next_rank"] == 2
+
+
+def test_a_plugin_policy_receives_the_callers_key_objects(recording_fifo: dict[str, Any]) -> None:
+    """A plug-in policy gets the very key objects the caller passed (as vLLM's manager hands
+    them on), not equal copies, in every call that names the call's keys.
+
+    Kills the mutant that never finds a key among the call's objects
+    (``PythonPolicy::key_obj`` building new ``bytes`` for each).
+    """
+    m = CPUOffloadingManager(4, **recording_fifo)
+    ctx = ReqContext("r")
+    keys = [k(1), k(2)]
+    out = m.prepare_store(keys, ctx)
+    assert out is not None
+    m.complete_store(keys, ctx)
+    m.touch(keys, ctx)
+    given = m.policy.given
+    assert [name for name, _ in given] == [
+        "on_store_miss",
+        "on_request_access",
+        "insert",
+        "insert",
+        "touch",
+    ]
+    assert [[id(x) for x in objs] for _, objs in given] == [
+        [id(keys[0]), id(keys[1])],
+        [id(keys[0]), id(keys[1])],
+        [id(keys[0])],
+        [id(keys[1])],
+        [id(keys[0]), id(keys[1])],
+    ]
+
+
+@pytest.mark.parametrize("manager_cls", [CPUOffloadingManager, ReferenceManager])
+@pytest.mark.parametrize("key", [b"", k(1)], ids=["empty", "key"])
+@pytest.mark.parametrize(
+    "call",
+    ["prepare_store", "prepare_load", "complete_store", "complete_load", "touch", "lookup_prefix"],
+)
+def test_a_single_bytes_key_is_never_taken_for_a_collection_of_keys(
+    manager_cls: Any, key: bytes, call: str
+) -> None:
+    """A call that takes a collection of keys refuses one ``bytes`` object given in its place,
+    the empty one included (iterated, it would be an empty collection), and changes nothing.
+
+    Kills the mutant that drops the binding's check for a single ``bytes`` key
+    (``Keys::extract``): a key of one byte or more is then refused only for its items being
+    ints, and ``b""`` is taken for no keys at all.
+    """
+    m = manager_cls(4)
+    ctx = ReqContext("r")
+    with pytest.raises(InvalidKeyError):
+        getattr(m, call)(key, ctx)
+    assert m.resident() == {}
+    m.on_request_finished(ctx)  # no state was made: nothing to finish
+
+
+class _DuckContext:
+    """A request context of vLLM's shape (its three methods), not a ``ReqContext``."""
+
+    def __init__(self) -> None:
+        self.states: dict[type, Any] = {}
+
+    def get_state(self, cls: type) -> Any:
+        return self.states.get(cls)
+
+    def set_state(self, val: Any) -> None:
+        self.states[type(val)] = val
+
+    def get_offload_key_position(self, key: bytes) -> int | None:
+        return None
+
+
+@pytest.mark.parametrize("manager_cls", [CPUOffloadingManager, ReferenceManager])
+@pytest.mark.parametrize("method", ["get_state", "set_state", "get_offload_key_position"])
+def test_a_context_whose_method_is_not_callable_is_refused(manager_cls: Any, method: str) -> None:
+    """A context with one of vLLM's context methods set to something that cannot be called is
+    refused as lacking it, before anything changes.
+
+    Kills the mutant that takes any attribute of the method's name for the method
+    (``Context::new`` checking ``getattr`` only): the call then fails later with a
+    ``TypeError`` from calling the attribute.
+    """
+    m = manager_cls(4)
+    ctx = _DuckContext()
+    setattr(ctx, method, None)
+    with pytest.raises(InvalidArgumentError, match=f"lacks {method}"):
+        m.prepare_store([k(1)], ctx)
+    assert m.resident() == {}
+
+
+@pytest.mark.parametrize("manager_cls", [CPUOffloadingManager, ReferenceManager])
+def test_an_evict_that_declines_makes_the_offer_return_none(
+    recording_fifo: dict[str, Any], manager_cls: Any
+) -> None:
+    """A plug-in policy's ``evict`` may answer ``None`` (it cannot evict), even with evictable
+    chunks: the offer then returns ``None``, evicts nothing and raises nothing.
+
+    Kills the mutant that takes a ``None`` answer for an eviction of no keys
+    (``PythonPolicy::evict``), which the contract check then refuses as a ``PolicyError``.
+    """
+    m = manager_cls(1, enable_events=True, **recording_fifo)
+    ctx = ReqContext("r")
+    a, b = k(1), k(2)
+    assert m.prepare_store([a], ctx) is not None
+    m.complete_store([a], ctx)
+    list(m.take_events())
+    m.policy.decline_evict = True
+    assert m.prepare_store([b], ctx) is None
+    assert m.resident() == {a: (0, 0)}
+    assert list(m.take_events()) == []
+    m.policy.decline_evict = False
+    out = m.prepare_store([b], ctx)
+    assert out is not None
+    assert list(out.evicted_keys) == [a]
