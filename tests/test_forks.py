@@ -49,8 +49,8 @@ def plug_in(name, cls):
 """
 
 
-def _run(script: str) -> str:
-    """Run ``_FORK`` and ``script`` in a child Python; its output, once it exited cleanly."""
+def _run(script: str, expect: str) -> None:
+    """Run ``_FORK`` and ``script`` in a child Python; it must exit cleanly printing ``expect``."""
     done = subprocess.run(
         [sys.executable, "-W", "ignore", "-c", _FORK + textwrap.dedent(script)],
         capture_output=True,
@@ -59,13 +59,14 @@ def _run(script: str) -> str:
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout.strip()
+    assert done.stdout.strip() == expect, done.stderr
 
 
 def test_a_fork_during_long_builtin_calls_gives_the_child_a_working_manager() -> None:
     # Touches of 200,000 keys run detached from the interpreter, holding the manager's lock for
     # milliseconds each, back to back on another thread: most forks land inside one.
-    out = _run("""
+    _run(
+        """
         n = 200_000
         m = CPUOffloadingManager(n)
         keys = [b"k%d" % i for i in range(n)]
@@ -98,14 +99,16 @@ def test_a_fork_during_long_builtin_calls_gives_the_child_a_working_manager() ->
         t.join()
         m.check_invariants()
         print(statuses)
-    """)
-    assert out == str([0] * 8)
+    """,
+        str([0] * 8),
+    )
 
 
 def test_a_fork_waits_for_a_python_policy_call_and_the_child_sees_it_done() -> None:
     # The policy's touch takes 0.3 s, well within the fork's wait: the fork happens after the
     # call, so the child's manager has the touch applied and is unlocked.
-    out = _run("""
+    _run(
+        """
         from kvoffload.reference.lru import LruPolicy
         entered = threading.Event()
 
@@ -134,32 +137,36 @@ def test_a_fork_waits_for_a_python_policy_call_and_the_child_sees_it_done() -> N
         status = fork_and_wait(child)
         t.join()
         print(status)
-    """)
-    assert out == "0"
+    """,
+        "0",
+    )
 
 
 def test_a_child_forked_while_a_python_policy_is_stuck_gets_an_error_not_a_hang() -> None:
     # The policy waits for the forking thread itself: the fork gives up waiting after a second,
-    # and the child's copy of that manager refuses calls that need its lock; lookups, which
-    # need none, still answer. The parent's manager is unharmed once the policy returns.
-    out = _run("""
+    # and the child's copy of that manager refuses calls that need its lock, as does the
+    # request's state the call held; lookups, which need no lock, still answer. The parent's
+    # manager is unharmed once the policy returns.
+    _run(
+        """
         from kvoffload import ForkedWhileBusyError
         from kvoffload.reference.lru import LruPolicy
         entered, release = threading.Event(), threading.Event()
 
         class Stuck(LruPolicy):
-            def touch(self, keys, req_context):
-                if list(keys) == [b"a"]:
+            def insert(self, key, status, req_context):
+                if key == b"s":
                     entered.set()
                     release.wait()
-                super().touch(keys, req_context)
+                super().insert(key, status, req_context)
 
         m = CPUOffloadingManager(2, **plug_in("stuck", Stuck))
         other = CPUOffloadingManager(2)
         ctx = ReqContext(req_id="r")
         m.prepare_store([b"a"], ctx)
         m.complete_store([b"a"], ctx)
-        t = threading.Thread(target=m.touch, args=([b"a"], ctx))
+        # A store holds its request's state while the policy runs.
+        t = threading.Thread(target=m.prepare_store, args=([b"s"], ctx))
         t.start()
         assert entered.wait(30)
 
@@ -174,21 +181,33 @@ def test_a_child_forked_while_a_python_policy_is_stuck_gets_an_error_not_a_hang(
                 else:
                     raise AssertionError("no ForkedWhileBusyError")
             assert other.prepare_store([b"x"], c).keys_to_store == [b"x"]
+            # The stuck call holds its request's state too: reading it refuses as well.
+            state = ctx.get_state(kvoffload._native.RequestState)
+            assert "forked in the middle" in repr(state), repr(state)
+            try:
+                state.finished
+            except ForkedWhileBusyError:
+                pass
+            else:
+                raise AssertionError("no ForkedWhileBusyError from the state")
 
         status = fork_and_wait(child)
         release.set()
         t.join()
-        assert m.prepare_store([b"b"], ctx).keys_to_store == [b"b"]
+        m.complete_store([b"s"], ctx)
+        assert m.prepare_store([b"b"], ctx).evicted_keys == [b"a"]
         m.check_invariants()
         print(status)
-    """)
-    assert out == "0"
+    """,
+        "0",
+    )
 
 
 def test_a_fork_from_inside_a_policy_lets_the_call_finish_in_the_child() -> None:
     # The forking thread holds the manager's lock itself: the fork must not wait for it, and in
     # the child the same call goes on, returns and unlocks the manager.
-    out = _run("""
+    _run(
+        """
         from kvoffload.reference.lru import LruPolicy
         children = []
 
@@ -214,22 +233,24 @@ def test_a_fork_from_inside_a_policy_lets_the_call_finish_in_the_child() -> None
         _, status = os.waitpid(children[0], 0)
         m.check_invariants()
         print(os.waitstatus_to_exitcode(status))
-    """)
-    assert out == "0"
+    """,
+        "0",
+    )
 
 
 def test_shadow_managers_are_held_across_a_fork_too() -> None:
-    out = _run("""
+    _run(
+        """
         m = CPUOffloadingManager(4, shadow_policies=["arc"])
         ctx = ReqContext(req_id="r")
         m.prepare_store([b"a"], ctx)
         m.complete_store([b"a"], ctx)
         cores = list(kvoffload._forks._cores)
-        print(len(cores))
 
         def child():
             assert m.prepare_store([b"b"], ReqContext(req_id="c")).keys_to_store == [b"b"]
 
-        print(fork_and_wait(child))
-    """)
-    assert out.split() == ["2", "0"]
+        print(len(cores), fork_and_wait(child))
+    """,
+        "2 0",
+    )

@@ -404,6 +404,7 @@ fn lock_state<'s>(
     state.lock_attached(py).map_err(|e| match e {
         StateLockError::Poisoned => poisoned(py),
         StateLockError::InUse => crate::request::in_use(py),
+        StateLockError::Orphaned => crate::request::orphaned(py),
     })
 }
 
@@ -412,6 +413,7 @@ impl From<StateLockError> for LockError {
         match e {
             StateLockError::Poisoned => LockError::Poisoned,
             StateLockError::InUse => LockError::StateInUse,
+            StateLockError::Orphaned => LockError::Orphaned,
         }
     }
 }
@@ -491,9 +493,13 @@ pub(crate) fn _managers_after_fork_in_parent() {
 /// Fork hook, in the child: unlock the managers held through the fork; a manager of `cores`
 /// whose lock another thread still held (its wait timed out, or it was made during the fork's
 /// hooks) is marked orphaned, so that calls raise `ForkedWhileBusyError` instead of waiting
-/// for a thread this process does not have.
+/// for a thread this process does not have. Counting the fork ([`FORK_EPOCH`]) does the same
+/// for request states that such a call held.
+///
+/// [`FORK_EPOCH`]: crate::request::FORK_EPOCH
 #[pyfunction]
 pub(crate) fn _managers_after_fork_in_child(cores: Vec<Bound<'_, ManagerCore>>) {
+    crate::request::FORK_EPOCH.fetch_add(1, Ordering::Relaxed);
     release_fork_holds();
     for c in cores {
         let core = c.get();

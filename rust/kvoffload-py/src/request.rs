@@ -6,8 +6,13 @@ use kvoffload_core as core;
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::PyBytes;
-use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicIsize, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
+
+/// How many forks this process descends from, as counted by the fork hook in the child
+/// (`manager::_managers_after_fork_in_child`): a state's holder marked in an earlier count was
+/// a thread of a parent, which this process does not have.
+pub(crate) static FORK_EPOCH: AtomicU64 = AtomicU64::new(0);
 
 /// Opaque per-request state of a `ManagerCore`, kept on the request context.
 #[pyclass(frozen, module = "kvoffload._native")]
@@ -24,6 +29,8 @@ pub(crate) struct RequestState {
     /// The mark of the thread holding `inner` while a Python cache policy runs (0: none). That
     /// thread must not lock `inner` again (from inside the policy): it would wait on itself.
     holder: AtomicUsize,
+    /// [`FORK_EPOCH`] when `holder` was set.
+    holder_epoch: AtomicU64,
 }
 
 /// Why [`RequestState::lock_attached`] gave no guard.
@@ -31,6 +38,9 @@ pub(crate) enum StateLockError {
     Poisoned,
     /// The calling thread holds the state already: a manager call runs its Python policy.
     InUse,
+    /// A Python policy's call on another thread held it when this process was forked (this is
+    /// the child): no thread here will release it.
+    Orphaned,
 }
 
 impl RequestState {
@@ -40,6 +50,7 @@ impl RequestState {
             objs: Mutex::new(Vec::new()),
             cursor: AtomicIsize::new(0),
             holder: AtomicUsize::new(0),
+            holder_epoch: AtomicU64::new(0),
         }
     }
 
@@ -74,8 +85,14 @@ impl RequestState {
             Err(TryLockError::Poisoned(_)) => return Err(StateLockError::Poisoned),
             Err(TryLockError::WouldBlock) => {}
         }
-        if self.holder.load(Ordering::Acquire) == crate::manager::thread_mark() {
+        let holder = self.holder.load(Ordering::Acquire);
+        if holder == crate::manager::thread_mark() {
             return Err(StateLockError::InUse);
+        }
+        if holder != 0
+            && self.holder_epoch.load(Ordering::Relaxed) != FORK_EPOCH.load(Ordering::Relaxed)
+        {
+            return Err(StateLockError::Orphaned);
         }
         wait(&self.inner).map_err(|_| StateLockError::Poisoned)
     }
@@ -83,6 +100,8 @@ impl RequestState {
     /// Mark the state held by the thread `mark` (0: by none) while its guard is kept across a
     /// Python policy's calls.
     pub(crate) fn set_holder(&self, mark: usize) {
+        self.holder_epoch
+            .store(FORK_EPOCH.load(Ordering::Relaxed), Ordering::Relaxed);
         self.holder.store(mark, Ordering::Release);
     }
 
@@ -138,6 +157,7 @@ impl RequestState {
             Ok(s) => Ok(s.is_finished()),
             Err(StateLockError::Poisoned) => Ok(false),
             Err(StateLockError::InUse) => Err(in_use(py)),
+            Err(StateLockError::Orphaned) => Err(orphaned(py)),
         }
     }
 
@@ -150,6 +170,9 @@ impl RequestState {
             ),
             Err(StateLockError::Poisoned) => "<RequestState (poisoned)>".into(),
             Err(StateLockError::InUse) => "<RequestState (in use by a manager call)>".into(),
+            Err(StateLockError::Orphaned) => {
+                "<RequestState (held by a call the process was forked in the middle of)>".into()
+            }
         }
     }
 }
@@ -161,6 +184,18 @@ pub(crate) fn in_use(py: Python<'_>) -> PyErr {
         "ReentrantCallError",
         "the request's state is held by a manager call running its cache policy on this \
          thread; a policy must not read it or pass the request context to a manager"
+            .into(),
+    )
+}
+
+/// The error for a request state that a call on another thread held when this process forked.
+pub(crate) fn orphaned(py: Python<'_>) -> PyErr {
+    crate::errors::raise(
+        py,
+        "ForkedWhileBusyError",
+        "this process was forked while a manager call on another thread held the request's \
+         state (its Python cache policy did not return in time); that call never ends in the \
+         forked child, so the state cannot be read here"
             .into(),
     )
 }
