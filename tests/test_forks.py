@@ -105,8 +105,8 @@ def test_a_fork_during_long_builtin_calls_gives_the_child_a_working_manager() ->
 
 
 def test_a_fork_waits_for_a_python_policy_call_and_the_child_sees_it_done() -> None:
-    # The policy's touch takes 0.3 s, well within the fork's wait: the fork happens after the
-    # call, so the child's manager has the touch applied and is unlocked.
+    # The policy's touch takes 0.3 s, well within the fork's wait (10 s here): the fork happens
+    # after the call, so the child's manager has the touch applied and is unlocked.
     _run(
         """
         from kvoffload.reference.lru import LruPolicy
@@ -119,6 +119,7 @@ def test_a_fork_waits_for_a_python_policy_call_and_the_child_sees_it_done() -> N
                     time.sleep(0.3)
                 super().touch(keys, req_context)
 
+        kvoffload._forks.PYTHON_POLICY_WAIT_S = 10.0  # a loaded machine cannot outlast it
         m = CPUOffloadingManager(2, **plug_in("slow_touch", SlowTouch))
         ctx = ReqContext(req_id="r")
         m.prepare_store([b"a", b"b"], ctx)
