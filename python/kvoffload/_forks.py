@@ -3,10 +3,11 @@
 A manager's lock belongs to the thread running a call. Forked while another thread holds it,
 the child would get a copy locked for good (that thread does not exist in the child) and a call
 halfway through. So just before a fork the forking thread locks every live manager, waiting for
-such calls to end, and unlocks them on both sides after it. A call that runs a Python cache
-policy is waited for at most `PYTHON_POLICY_WAIT_S` seconds (its policy may wait on anything,
-the forking thread included); if it has not ended, the fork goes ahead and the child's copy of
-that manager raises `kvoffload.ForkedWhileBusyError` from calls that need its lock.
+such calls to end, and unlocks them on both sides after it. Calls that run a Python cache
+policy are waited for at most `PYTHON_POLICY_WAIT_S` seconds in all (a policy may wait on
+anything, the forking thread included); one that has not ended by then is left behind, and the
+child's copy of its manager raises `kvoffload.ForkedWhileBusyError` from calls that need its
+lock.
 """
 
 from __future__ import annotations

@@ -438,7 +438,8 @@ thread_local! {
 /// Fork hook, before a fork: lock every manager of `cores`, waiting for calls that other
 /// threads are running to end, so that the child's copy of each is one no call is halfway
 /// through, and unlocked. Managers with a Python policy are locked first (their policy may
-/// call a built-in one), each waited for at most `python_wait_s` seconds in all.
+/// call a built-in one), and waited for until `python_wait_s` seconds after the hook began
+/// (one deadline for all of them).
 #[pyfunction]
 pub(crate) fn _managers_before_fork(
     py: Python<'_>,
