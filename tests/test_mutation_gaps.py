@@ -4,6 +4,7 @@ through (docs/reliability.md, "Mutation testing of the suite"). They run through
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -13,10 +14,9 @@ from typing import Any
 
 import pytest
 
-from _helpers import k
+from _helpers import OldestFirst, k
 from kvoffload import CPUOffloadingManager, LookupResult, ReqContext, _native
 from kvoffload.errors import InvalidArgumentError, InvalidKeyError, KeyStateError
-from kvoffload.policies import CachePolicy as PluginCachePolicy
 from kvoffload.policies import ChunkStatus
 from kvoffload.reference import CPUOffloadingManager as ReferenceManager
 from kvoffload.reference.lru import LruPolicy
@@ -37,19 +37,31 @@ class _BlockingTouchLru(LruPolicy):
         super().touch(keys, req_context)
 
 
+@contextlib.contextmanager
+def _as_plugin(cls: type) -> Iterator[dict[str, Any]]:
+    """The manager arguments that load ``cls`` (under its name without leading underscores) as
+    a plug-in policy by module path, while the block runs (the module exists only in
+    ``sys.modules``)."""
+    policy = cls.__name__.lstrip("_")
+    name = f"kvoffload_mutation_gaps_{policy.lower()}"
+    module = types.ModuleType(name)
+    setattr(module, policy, cls)
+    sys.modules[name] = module
+    try:
+        yield {"cache_policy": policy, "cache_policy_module_path": name}
+    finally:
+        del sys.modules[name]
+
+
 @pytest.fixture
 def blocking_policy_module() -> Iterator[str]:
-    name = "kvoffload_mutation_gaps_policies"
-    module = types.ModuleType(name)
-    module.BlockingTouchLru = _BlockingTouchLru  # type: ignore[attr-defined]
-    sys.modules[name] = module
     _BlockingTouchLru.inside.clear()
     _BlockingTouchLru.release.clear()
-    try:
-        yield name
-    finally:
-        _BlockingTouchLru.release.set()
-        del sys.modules[name]
+    with _as_plugin(_BlockingTouchLru) as kwargs:
+        try:
+            yield kwargs["cache_policy_module_path"]
+        finally:
+            _BlockingTouchLru.release.set()
 
 
 def test_contended_lookup_prefix_counts_hits_only(blocking_policy_module: str) -> None:
@@ -215,28 +227,21 @@ def test_reference_sketch_resets_halve_the_sample_count() -> None:
         assert (s.samples, s.estimate(h)) == (due // 2, 7)
 
 
-class _RecordingFifo(PluginCachePolicy):
-    """A FIFO plug-in policy that records what the manager reports to it, and whose ``evict``
-    raises while ``fail_evict`` is set."""
+class _RecordingFifo(OldestFirst):
+    """`OldestFirst` recording what the manager reports to it, whose ``evict`` raises while
+    ``fail_evict`` is set and answers ``None`` while ``decline_evict`` is."""
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self.chunks: dict[bytes, Any] = {}
         self.fail_evict = False
         self.decline_evict = False
         self.misses: list[list[bytes]] = []
         self.finished: list[tuple[set[bytes], set[bytes]]] = []
         self.given: list[tuple[str, list[bytes]]] = []  # each call's key objects
 
-    def get(self, key: bytes) -> Any:
-        return self.chunks.get(key)
-
     def insert(self, key: bytes, chunk: Any, req_context: Any) -> None:
         self.given.append(("insert", [key]))
-        self.chunks[key] = chunk
-
-    def remove(self, key: bytes) -> None:
-        del self.chunks[key]
+        super().insert(key, chunk, req_context)
 
     def touch(self, keys: Any, req_context: Any) -> None:
         self.given.append(("touch", list(keys)))
@@ -251,39 +256,19 @@ class _RecordingFifo(PluginCachePolicy):
     def on_request_finished(self, groups: Any, inserted: Any, reused: Any, ctx: Any) -> None:
         self.finished.append((set(inserted), set(reused)))
 
-    def mark_evictable(self, key: bytes) -> None:
-        pass
-
-    def mark_non_evictable(self, key: bytes) -> None:
-        pass
-
-    def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, Any]] | None:
+    def evict(self, n: int, protected: set[bytes]) -> Any:
         if self.fail_evict:
             raise RuntimeError("evict failed")
         if self.decline_evict:
             return None
-        victims = [(k, c) for k, c in self.chunks.items() if c.ref_cnt == 0 and k not in protected]
-        if len(victims) < n:
-            return None
-        for key, _ in victims[:n]:
-            del self.chunks[key]
-        return victims[:n]
-
-    def clear(self) -> None:
-        self.chunks.clear()
+        return super().evict(n, protected)
 
 
 @pytest.fixture
 def recording_fifo() -> Iterator[dict[str, Any]]:
     """Manager arguments that run `_RecordingFifo` as a plug-in policy."""
-    name = "kvoffload_mutation_gaps_recording"
-    module = types.ModuleType(name)
-    module.RecordingFifo = _RecordingFifo  # type: ignore[attr-defined]
-    sys.modules[name] = module
-    try:
-        yield {"cache_policy": "RecordingFifo", "cache_policy_module_path": name}
-    finally:
-        del sys.modules[name]
+    with _as_plugin(_RecordingFifo) as kwargs:
+        yield kwargs
 
 
 @pytest.mark.parametrize("manager_cls", [CPUOffloadingManager, ReferenceManager])
@@ -379,14 +364,8 @@ def test_a_call_whose_policy_raises_twice_raises_the_first_exception(
     Kills the mutant that keeps the last exception of a call instead of the first
     (``PythonPolicy::fail``).
     """
-    name = "kvoffload_mutation_gaps_pin_failing"
-    module = types.ModuleType(name)
-    module.PinFailingFifo = _PinFailingFifo  # type: ignore[attr-defined]
-    sys.modules[name] = module
-    try:
-        m = manager_cls(4, cache_policy="PinFailingFifo", cache_policy_module_path=name)
-    finally:
-        del sys.modules[name]
+    with _as_plugin(_PinFailingFifo) as kwargs:
+        m = manager_cls(4, **kwargs)
     ctx = ReqContext("r")
     a, b = k(1), k(2)
     assert m.prepare_store([a, b], ctx) is not None

@@ -513,6 +513,20 @@ pub(crate) fn _managers_after_fork_in_child(cores: Vec<Bound<'_, ManagerCore>>) 
     }
 }
 
+/// Wait before trying a contended lock again, detached from the interpreter (the holder may
+/// need it): yield the first 63 times, then sleep 50 µs a time.
+fn back_off(py: Python<'_>, spins: &mut u32) {
+    *spins += 1;
+    let first = *spins < 64;
+    py.detach(|| {
+        if first {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    });
+}
+
 /// An address unique to the calling thread while it lives.
 pub(crate) fn thread_mark() -> usize {
     thread_local!(static MARK: u8 = const { 0 });
@@ -626,14 +640,7 @@ impl ManagerCore {
                         return Err(LockError::Reentrant);
                     }
                     self.check_orphaned()?;
-                    spins += 1;
-                    py.detach(|| {
-                        if spins < 64 {
-                            std::thread::yield_now();
-                        } else {
-                            std::thread::sleep(std::time::Duration::from_micros(50));
-                        }
-                    });
+                    back_off(py, &mut spins);
                 }
             }
         }
@@ -679,16 +686,7 @@ impl ManagerCore {
                 Ok(guard) => return Some(guard),
                 Err(TryLockError::Poisoned(_)) => return None,
                 Err(TryLockError::WouldBlock) if Instant::now() >= deadline => return None,
-                Err(TryLockError::WouldBlock) => {
-                    spins += 1;
-                    py.detach(|| {
-                        if spins < 64 {
-                            std::thread::yield_now();
-                        } else {
-                            std::thread::sleep(Duration::from_micros(50));
-                        }
-                    });
-                }
+                Err(TryLockError::WouldBlock) => back_off(py, &mut spins),
             }
         }
     }
