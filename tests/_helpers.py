@@ -278,6 +278,76 @@ class SeededRandomPolicy(CachePolicy):
     def clear(self):
         self.chunks.clear()
         self.evictable.clear()
+
+
+class Recorded:
+    """Mixin: records every call its manager makes, but ``get``, in order."""
+
+    def __init__(self, cache_capacity):
+        super().__init__(cache_capacity)
+        self.calls = []
+
+    def insert(self, key, chunk, req_context):
+        self.calls.append(("insert", key, chunk.chunk_id, req_context.req_id))
+        super().insert(key, chunk, req_context)
+
+    def remove(self, key):
+        self.calls.append(("remove", key))
+        super().remove(key)
+
+    def touch(self, keys, req_context):
+        keys = list(keys)
+        self.calls.append(("touch", keys, req_context.req_id))
+        super().touch(keys, req_context)
+
+    def on_store_miss(self, keys, req_context):
+        keys = list(keys)
+        self.calls.append(("on_store_miss", keys, req_context.req_id))
+        super().on_store_miss(keys, req_context)
+
+    def on_request_access(self, keys, req_context):
+        keys = list(keys)
+        self.calls.append(("on_request_access", keys, req_context.req_id))
+        super().on_request_access(keys, req_context)
+
+    def on_request_finished(self, key_groups, insertion_only_keys, reused_keys, req_context):
+        groups = [list(group) for group in key_groups]
+        self.calls.append(
+            (
+                "on_request_finished",
+                groups,
+                sorted(insertion_only_keys),
+                sorted(reused_keys),
+                req_context.req_id,
+            )
+        )
+        super().on_request_finished(groups, insertion_only_keys, reused_keys, req_context)
+
+    def evict(self, n, protected):
+        answer = super().evict(n, protected)
+        victims = None if answer is None else [(key, chunk.chunk_id) for key, chunk in answer]
+        self.calls.append(("evict", n, sorted(protected), victims))
+        return answer
+
+    def clear(self):
+        self.calls.append(("clear",))
+        super().clear()
+
+    def mark_evictable(self, key):
+        self.calls.append(("mark_evictable", key))
+        super().mark_evictable(key)
+
+    def mark_non_evictable(self, key):
+        self.calls.append(("mark_non_evictable", key))
+        super().mark_non_evictable(key)
+
+
+class RecordedMRUPolicy(Recorded, MRUPolicy):
+    pass
+
+
+class RecordedRandomPolicy(Recorded, SeededRandomPolicy):
+    pass
 '''
 
 #: The same policies against kvoffload's own base class.

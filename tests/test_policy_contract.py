@@ -17,6 +17,8 @@ import pytest
 
 from kvoffload import LookupResult, ReqContext, make_offload_key
 from kvoffload._common import BUILTIN_POLICIES
+from kvoffload.policies import ChunkStatus
+from kvoffload.reference.manager import _BUILTIN
 
 KEYS = [make_offload_key(i.to_bytes(2, "big"), 0) for i in range(48)]
 
@@ -105,3 +107,28 @@ def test_refused_eviction_changes_nothing(make_manager: Callable[..., Any], poli
     assert snapshot(m) == before
     m.complete_load(KEYS[:1], ctx)
     m.check_invariants()
+
+
+@pytest.mark.parametrize("policy", BUILTIN_POLICIES)
+def test_a_reference_policy_refuses_what_it_cannot_evict_and_changes_nothing(policy: str) -> None:
+    """Asked directly, as vLLM's manager asks a plug-in: a ready chunk, but too few unprotected."""
+    p = _BUILTIN[policy](8)
+    ctx = ReqContext(req_id="a")
+    statuses = [ChunkStatus(i) for i in range(6)]
+    for key, status in zip(KEYS, statuses, strict=False):
+        p.insert(key, status, ctx)
+    for key, status in zip(KEYS[:5], statuses, strict=False):  # the last stays pending
+        status.ref_cnt = 0
+        p.mark_evictable(key)
+    p.mark_non_evictable(KEYS[0])  # the oldest is pinned
+    statuses[0].ref_cnt = 1
+    p.touch(KEYS[2:4], ctx)
+    before = p.state()
+    # Ready: KEYS[1:5]; protected: two of them.
+    assert p.evict(3, {KEYS[1], KEYS[4]}) is None
+    assert p.state() == before
+    p.check_invariants()
+    victims = p.evict(2, {KEYS[1], KEYS[4]})
+    assert victims is not None
+    assert sorted(key for key, _ in victims) == sorted(KEYS[2:4])
+    p.check_invariants()

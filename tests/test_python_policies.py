@@ -126,6 +126,33 @@ def test_vllm_policy_in_rust_manager_matches_vllms_manager(
     _run(specs, policy, threshold, range(12))
 
 
+def _calls_made(mgr: Any) -> dict[str, Any]:
+    """The calls the manager made of its recording plug-in since the last look, and the
+    plug-in's chunks (the driver checks their ref counts against its model)."""
+    policy = getattr(mgr, "policy", None) or mgr._policy  # vLLM's is private
+    calls, policy.calls = policy.calls, []
+    resident = {key: (chunk.chunk_id, chunk.ref_cnt) for key, chunk in policy.chunks.items()}
+    return {"calls": calls, "resident": resident}
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 3])
+@pytest.mark.parametrize("policy", ["mru", "random"])
+def test_both_managers_call_a_plug_in_exactly_as_vllms_manager_does(
+    oracle: Any, policy_modules: Path, policy: str, threshold: int
+) -> None:
+    """Every call but ``get``, in order, with the same arguments (and answers from ``evict``)."""
+    classes = {
+        "mru": (VLLM_MODULE, "RecordedMRUPolicy"),
+        "random": (VLLM_MODULE, "RecordedRandomPolicy"),
+    }
+    specs = [
+        _plugin_impl("vllm", oracle.CPUOffloadingManager, oracle.ReqContext, classes, _calls_made),
+        _plugin_impl("rust", CPUOffloadingManager, ReqContext, classes, _calls_made),
+        _plugin_impl("reference", ReferenceManager, ReqContext, classes, _calls_made),
+    ]
+    _run(specs, policy, threshold, range(12))
+
+
 def test_vllm_policy_gets_vllms_chunk_status(oracle: Any, policy_modules: Path) -> None:
     m = CPUOffloadingManager(4, cache_policy="MRUPolicy", cache_policy_module_path=VLLM_MODULE)
     ctx = ReqContext(req_id="r")

@@ -15,7 +15,8 @@ What a manager calls, and when:
 - ``remove(key)``: a pending key whose store failed (no eviction bookkeeping).
 - ``evict(n, protected)``: all or nothing. Remove exactly ``n`` keys whose ``ref_cnt`` is 0
   and that are not in ``protected`` and return them as ``[(key, status)]`` in eviction order,
-  or return None and change nothing.
+  or return None and change nothing. Every manager asks whenever it needs chunks and enough
+  are ready, as vLLM's does, even when too many of those are in ``protected``.
 - ``touch``, ``on_store_miss``, ``on_request_access`` and ``on_request_finished``: observations
   of request traffic (see each method). Keys arrive as lists (vLLM types them as iterables).
 - ``clear()``: drop everything (``reset_cache``).

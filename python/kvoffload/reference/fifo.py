@@ -23,11 +23,11 @@ class FifoPolicy(OwnPolicy):
 
     def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
         """Append a new key at the newest end."""
-        self.entries[key] = status
+        super().insert(key, status, req_context)
 
     def remove(self, key: bytes) -> None:
         """Drop a failed store."""
-        del self.entries[key]
+        super().remove(key)
 
     def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
         """The ``n`` oldest ready, unprotected keys, or None if there are fewer."""

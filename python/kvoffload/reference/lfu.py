@@ -59,18 +59,24 @@ class LfuPolicy(QueuePolicy):
 
     def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
         """A new key starts at count 1."""
-        self.entries[key] = status
+        super().insert(key, status, req_context)
         self.queues.insert(key, "1")
         self.total += 1
 
     def remove(self, key: bytes) -> None:
-        """Drop a key (a failed store, or a victim)."""
+        """Drop a failed store."""
+        super().remove(key)
+        self._unqueue(key)
+
+    def _unqueue(self, key: bytes) -> None:
+        """Take a key (a failed store, or a victim) out of its queue and the count total."""
         self.total -= self._count(key)
         self.queues.remove(key)
-        del self.entries[key]
 
     def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
-        """Evict ``n`` keys, lowest count first (the manager checked feasibility)."""
+        """Evict ``n`` keys, lowest count first, or None if ``n`` cannot be found."""
+        if not self._can_evict(n, protected):
+            return None
         victims = []
         for _ in range(n):
             found = None
@@ -79,10 +85,9 @@ class LfuPolicy(QueuePolicy):
                 if found is not None:
                     break
             if found is None:
-                return None  # unreachable: the manager asks only for feasible evictions
-            status = self.entries[found]
-            self.remove(found)
-            victims.append((found, status))
+                raise AssertionError("lfu: fewer victims than counted")
+            self._unqueue(found)
+            victims.append((found, self.entries.pop(found)))
         return victims
 
     def state(self) -> dict[str, Any]:
@@ -91,6 +96,7 @@ class LfuPolicy(QueuePolicy):
 
     def check_invariants(self) -> None:
         """Queues, residency and the count total agree."""
+        super().check_invariants()
         require(self.queues.check(set(self.entries)), "lfu: queues do not match the residents")
         total = sum(n * self.queues.lens[str(n)] for n in range(MAX_COUNT + 1))
         require(total == self.total, "lfu: count total drifted")

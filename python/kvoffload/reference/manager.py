@@ -608,13 +608,15 @@ class CPUOffloadingManager:
             return []
         if shortfall > self._num_evictable:
             return None
-        # Fewer ready, unprotected chunks than needed: no policy could evict enough.
-        protected_ready = 0
-        for key in offered:
-            status = self._policy.get(key)
-            protected_ready += status is not None and status.ref_cnt == 0
-        if shortfall > self._num_evictable - protected_ready:
-            return None
+        if self._builtin_policy:
+            # Fewer ready, unprotected chunks than needed: no policy could evict enough. A
+            # plug-in is asked all the same, as vLLM asks it, and must answer None.
+            protected_ready = 0
+            for key in offered:
+                status = self._policy.get(key)
+                protected_ready += status is not None and status.ref_cnt == 0
+            if shortfall > self._num_evictable - protected_ready:
+                return None
         answer = self._policy.evict(shortfall, offered)
         if answer is None:
             return None

@@ -110,11 +110,51 @@ class OwnPolicy(CachePolicy):
     ``entries`` maps each resident key to its status. A *hit* is a ``touch`` of a resident key
     or a request's first access to one (``on_request_access``), handled by ``_hit``; store misses
     and finished requests change nothing. ``clear`` starts afresh.
+
+    The base also counts the resident keys that are not ready (pending or pinned), which the
+    subclasses keep current by calling its ``insert``, ``remove`` and ``mark_evictable``, so that
+    an ``evict`` that cannot be met answers None before it changes anything (``_can_evict``):
+    vLLM's manager asks a plug-in whenever enough chunks are ready, protected or not.
     """
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self.entries: dict[bytes, ChunkStatus] = {}
+        self._not_ready = 0
+
+    def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
+        """Record a new (pending) key."""
+        self.entries[key] = status
+        self._not_ready += 1
+
+    def remove(self, key: bytes) -> None:
+        """Forget a failed (pending) store."""
+        del self.entries[key]
+        self._not_ready -= 1
+
+    def mark_evictable(self, key: bytes) -> None:
+        """A key became ready."""
+        self._not_ready -= 1
+
+    def mark_non_evictable(self, key: bytes) -> None:
+        """A ready key got pinned."""
+        self._not_ready += 1
+
+    def _can_evict(self, n: int, protected: Set[bytes]) -> bool:
+        """Whether ``n`` ready keys outside ``protected`` are resident."""
+        ready = len(self.entries) - self._not_ready
+        for key in protected:
+            status = self.entries.get(key)
+            ready -= status is not None and status.is_evictable
+        return ready >= n
+
+    def check_invariants(self) -> None:
+        """The count of keys not ready matches the statuses."""
+        not_ready = sum(not status.is_evictable for status in self.entries.values())
+        require(
+            not_ready == self._not_ready,
+            f"{not_ready} resident keys are not ready, the policy counted {self._not_ready}",
+        )
 
     def _hit(self, keys: Sequence[bytes]) -> None:
         """Hits on ``keys`` (absent keys among them are ignored); default: nothing."""

@@ -109,5 +109,6 @@ class QueuePolicy(OwnPolicy):
 
     def mark_evictable(self, key: bytes) -> None:
         """A parked key that is ready again re-enters at its queue's oldest end."""
+        super().mark_evictable(key)
         if key in self.queues.parked:
             self.queues.move_to(key, self.queues.queue_of[key], newest=False)

@@ -105,7 +105,7 @@ class S3FifoPolicy(OwnPolicy):
 
     def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
         """A new key enters S, or M when it is a ghost (leaving G)."""
-        self.entries[key] = status
+        super().insert(key, status, req_context)
         self.freq[key] = 0
         if self.ghosts.pop(key, 0) is None:
             self.main[key] = None
@@ -124,7 +124,8 @@ class S3FifoPolicy(OwnPolicy):
             self.small_len -= 1
         else:
             self.main_len -= 1
-        del self.entries[key], self.freq[key]
+        super().remove(key)
+        del self.freq[key]
 
     def _hit(self, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -132,7 +133,9 @@ class S3FifoPolicy(OwnPolicy):
                 self.freq[key] = min(self.freq[key] + 1, MAX_FREQ)
 
     def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
-        """Evict ``n`` keys by the S3-FIFO rule (the manager checked that ``n`` can be found)."""
+        """Evict ``n`` keys by the S3-FIFO rule, or None if ``n`` cannot be found."""
+        if not self._can_evict(n, protected):
+            return None
         victims: list[tuple[bytes, ChunkStatus]] = []
         steps: tuple[Callable[[], bool], Callable[[], bool]]
         while len(victims) < n:
@@ -140,11 +143,12 @@ class S3FifoPolicy(OwnPolicy):
             main = lambda: self._evict_main(protected, victims)  # noqa: E731
             steps = (small, main) if self.small_len >= self.small_cap else (main, small)
             if not (steps[0]() or steps[1]()):
-                return None  # unreachable: the manager asks only for feasible evictions
+                raise AssertionError("s3fifo: fewer victims than counted")
         return victims
 
     def mark_evictable(self, key: bytes) -> None:
         """A parked key that is ready again re-enters at its queue's oldest end."""
+        super().mark_evictable(key)
         queue = self.parked.pop(key, None)
         if queue is not None:
             target = self.small if queue == "small" else self.main
@@ -163,6 +167,7 @@ class S3FifoPolicy(OwnPolicy):
 
     def check_invariants(self) -> None:
         """Queue lengths, parked keys and residency agree."""
+        super().check_invariants()
         parked_small = sum(1 for q in self.parked.values() if q == "small")
         require(self.small_len == len(self.small) + parked_small, "s3fifo: S length drifted")
         require(

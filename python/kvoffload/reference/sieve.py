@@ -69,13 +69,14 @@ class SievePolicy(OwnPolicy):
 
     def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
         """Queue a new key, unvisited, at the newest end."""
-        self.entries[key] = status
+        super().insert(key, status, req_context)
         self.visited[key] = False
         self._link_before(key, None)
 
     def remove(self, key: bytes) -> None:
         """Drop a failed store."""
-        del self.entries[key], self.visited[key]
+        super().remove(key)
+        del self.visited[key]
         if key in self.parked:
             self.parked.discard(key)
         else:
@@ -83,11 +84,11 @@ class SievePolicy(OwnPolicy):
 
     def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
         """Sweep the hand until ``n`` unvisited, ready, unprotected keys are found (or None)."""
+        if not self._can_evict(n, protected):
+            return None  # before the sweep parks a key
         chosen: list[bytes] = []
         chosen_set: set[bytes] = set()
-        cleared: list[bytes] = []
         idle = 0  # steps since the sweep chose a key or cleared a bit
-        saved_hand = self.hand
         cur = self.hand
         while len(chosen) < n:
             if cur is None:
@@ -103,7 +104,6 @@ class SievePolicy(OwnPolicy):
                 idle += 1
             elif self.visited[cur]:
                 self.visited[cur] = False
-                cleared.append(cur)
                 idle = 0
             else:
                 chosen.append(cur)
@@ -112,11 +112,8 @@ class SievePolicy(OwnPolicy):
             cur = nxt
             if idle > len(self.entries):
                 break
-        if len(chosen) < n:  # the manager never asks for more than can be found
-            for key in cleared:
-                self.visited[key] = True
-            self.hand = saved_hand if saved_hand in self.newer else None
-            return None
+        if len(chosen) < n:
+            raise AssertionError("sieve: fewer victims than counted")
         self.hand = cur
         victims = []
         for key in chosen:
@@ -127,6 +124,7 @@ class SievePolicy(OwnPolicy):
 
     def mark_evictable(self, key: bytes) -> None:
         """A parked key that is ready again re-enters right behind the hand."""
+        super().mark_evictable(key)
         if key in self.parked:
             self.parked.discard(key)
             self._link_before(key, self.hand)
@@ -149,6 +147,7 @@ class SievePolicy(OwnPolicy):
 
     def check_invariants(self) -> None:
         """Queue links, parked keys and residency agree."""
+        super().check_invariants()
         queue = self._queue()
         require(len(queue) == len(self.newer) == len(self.older), "sieve: queue links broken")
         require(

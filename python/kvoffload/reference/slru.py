@@ -31,13 +31,13 @@ class SlruPolicy(QueuePolicy):
 
     def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
         """A new key enters probation."""
-        self.entries[key] = status
+        super().insert(key, status, req_context)
         self.queues.insert(key, "probation")
 
     def remove(self, key: bytes) -> None:
         """Drop a failed store."""
         self.queues.remove(key)
-        del self.entries[key]
+        super().remove(key)
 
     def _hit(self, keys: Sequence[bytes]) -> None:
         """Hits: see the module docs."""
@@ -52,14 +52,16 @@ class SlruPolicy(QueuePolicy):
                 self.queues.move_to(demoted, "probation")
 
     def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
-        """Evict ``n`` least recent keys, probation first (the manager checked feasibility)."""
+        """Evict ``n`` least recent keys, probation first, or None if ``n`` cannot be found."""
+        if not self._can_evict(n, protected):
+            return None
         victims = []
         for _ in range(n):
             key = self.queues.first_candidate("probation", self._ready, protected.__contains__)
             if key is None:
                 key = self.queues.first_candidate("protected", self._ready, protected.__contains__)
             if key is None:
-                return None  # unreachable: the manager asks only for feasible evictions
+                raise AssertionError("slru: fewer victims than counted")
             self.queues.remove(key)
             victims.append((key, self.entries.pop(key)))
         return victims
@@ -70,4 +72,5 @@ class SlruPolicy(QueuePolicy):
 
     def check_invariants(self) -> None:
         """Segments and residency agree."""
+        super().check_invariants()
         require(self.queues.check(set(self.entries)), "slru: segments do not match the residents")

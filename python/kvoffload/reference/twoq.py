@@ -35,7 +35,7 @@ class TwoQPolicy(QueuePolicy):
 
     def insert(self, key: bytes, status: ChunkStatus, req_context: RequestContext) -> None:
         """A new key enters A1in, or Am when it is a ghost (leaving A1out)."""
-        self.entries[key] = status
+        super().insert(key, status, req_context)
         if key in self.ghosts:
             del self.ghosts[key]
             self.queues.insert(key, "am")
@@ -45,7 +45,7 @@ class TwoQPolicy(QueuePolicy):
     def remove(self, key: bytes) -> None:
         """Drop a failed store (no ghost)."""
         self.queues.remove(key)
-        del self.entries[key]
+        super().remove(key)
 
     def _hit(self, keys: Sequence[bytes]) -> None:
         """Hits: see the module docs."""
@@ -54,7 +54,9 @@ class TwoQPolicy(QueuePolicy):
                 self.queues.move_to(key, "am")
 
     def evict(self, n: int, protected: Set[bytes]) -> list[tuple[bytes, ChunkStatus]] | None:
-        """Evict ``n`` keys by the 2Q rule (the manager checked that ``n`` can be found)."""
+        """Evict ``n`` keys by the 2Q rule, or None if ``n`` cannot be found."""
+        if not self._can_evict(n, protected):
+            return None
         victims = []
         for _ in range(n):
             order = ("a1in", "am") if self.queues.lens["a1in"] > self.kin else ("am", "a1in")
@@ -65,7 +67,7 @@ class TwoQPolicy(QueuePolicy):
                     found = (queue, key)
                     break
             if found is None:
-                return None  # unreachable: the manager asks only for feasible evictions
+                raise AssertionError("2q: fewer victims than counted")
             queue, key = found
             self.queues.remove(key)
             if queue == "a1in":
@@ -85,5 +87,6 @@ class TwoQPolicy(QueuePolicy):
 
     def check_invariants(self) -> None:
         """Queues and residency agree; A1out within its bound."""
+        super().check_invariants()
         require(self.queues.check(set(self.entries)), "2q: queues do not match the residents")
         require(len(self.ghosts) <= self.kout, "2q: A1out over its bound")

@@ -1311,8 +1311,9 @@ impl Manager {
         victims: &mut Vec<ChunkId>,
     ) -> Result<bool> {
         // Fewer ready, unprotected chunks than needed: no policy could evict enough. (Offered
-        // keys are distinct, so each protected chunk is counted once.)
-        if !self.slots.can_evict(n, protected_ready) {
+        // keys are distinct, so each protected chunk is counted once.) A plug-in is asked all
+        // the same, as vLLM asks it, and must answer None.
+        if !self.external && !self.slots.can_evict(n, protected_ready) {
             return Ok(false);
         }
         let marks = &self.marks;
