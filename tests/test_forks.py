@@ -49,10 +49,12 @@ def plug_in(name, cls):
 """
 
 
-def _run(script: str, expect: str) -> None:
-    """Run ``_FORK`` and ``script`` in a child Python; it must exit cleanly printing ``expect``."""
+def _run(script: str, expect: str, before_import: str = "") -> None:
+    """Run ``before_import``, ``_FORK`` and ``script`` in a child Python; it must exit cleanly
+    printing ``expect``."""
+    program = textwrap.dedent(before_import) + _FORK + textwrap.dedent(script)
     done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", _FORK + textwrap.dedent(script)],
+        [sys.executable, "-W", "ignore", "-c", program],
         capture_output=True,
         text=True,
         timeout=TIME_LIMIT_S,
@@ -254,4 +256,39 @@ def test_shadow_managers_are_held_across_a_fork_too() -> None:
         print(len(cores), fork_and_wait(child))
     """,
         "2 0",
+    )
+
+
+def test_a_fork_hook_that_runs_while_the_managers_are_held_gets_an_error_not_a_hang() -> None:
+    # A before-fork hook registered before kvoffload was imported runs after kvoffload's, which
+    # holds every manager's lock by then: its call of a manager is refused at once.
+    _run(
+        """
+        from kvoffload.reference import LruPolicy
+
+        m = CPUOffloadingManager(4)
+        p = CPUOffloadingManager(4, **plug_in("lru_plug_in", LruPolicy))
+        hook.managers = [m, p]
+        print(fork_and_wait(lambda: m.prepare_store([b"c"], ReqContext(req_id="c"))))
+        print(*hook.outcomes)
+        for manager in (m, p):  # the hook's calls changed nothing; the managers are free
+            assert manager.resident() == {}
+            assert manager.prepare_store([b"p"], ReqContext(req_id="p")) is not None
+            manager.check_invariants()
+    """,
+        "0\nReentrantCallError ReentrantCallError",
+        before_import="""
+        import os
+
+        def hook():
+            for manager in hook.managers:
+                try:
+                    manager.prepare_store([b"h"], ReqContext(req_id="h"))
+                    hook.outcomes.append("stored")
+                except Exception as e:
+                    hook.outcomes.append(type(e).__name__)
+
+        hook.managers, hook.outcomes = [], []
+        os.register_at_fork(before=hook)
+        """,
     )

@@ -8,6 +8,10 @@ policy are waited for at most `PYTHON_POLICY_WAIT_S` seconds in all (a policy ma
 anything, the forking thread included); one that has not ended by then is left behind, and the
 child's copy of its manager raises `kvoffload.ForkedWhileBusyError` from calls that need its
 lock.
+
+Python runs before-fork hooks last registered first, so a hook registered before kvoffload was
+imported runs while the managers are held: its calls that need a manager's lock raise
+`kvoffload.ReentrantCallError` instead of waiting on the lock its own thread holds.
 """
 
 from __future__ import annotations

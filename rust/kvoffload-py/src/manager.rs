@@ -33,6 +33,9 @@ enum LockError {
     /// This process is a fork's child, and another thread of the parent held the lock at the
     /// fork: that thread does not exist here, so the lock is never released.
     Orphaned,
+    /// This thread holds the lock for a fork about to happen: the call comes from a fork hook
+    /// that Python runs after kvoffload's.
+    HeldForFork,
 }
 
 impl LockError {
@@ -53,6 +56,15 @@ impl LockError {
                 "this process was forked while another thread was inside a call of this manager \
                  (its Python cache policy did not return in time); that call never ends in the \
                  forked child, so the manager cannot be used here"
+                    .into(),
+            ),
+            LockError::HeldForFork => raise(
+                py,
+                "ReentrantCallError",
+                "the manager was called from an os.register_at_fork(before=...) hook that runs \
+                 while kvoffload holds its managers for the fork (hooks registered before \
+                 kvoffload was imported run after its own); register the hook after importing \
+                 kvoffload"
                     .into(),
             ),
         }
@@ -453,12 +465,7 @@ pub(crate) fn _managers_before_fork(
     let mut cores = cores;
     cores.sort_by_key(|c| !c.get().python_policy);
     for c in cores {
-        let held = FORK_HOLDS.with(|h| {
-            h.borrow()
-                .iter()
-                .any(|f| std::ptr::eq(f.owner.get(), c.get()))
-        });
-        if held {
+        if held_for_fork(c.get()) {
             continue;
         }
         let owner = c.unbind();
@@ -476,6 +483,14 @@ pub(crate) fn _managers_before_fork(
             });
         }
     }
+}
+
+/// Whether this thread holds `core`'s lock for a fork.
+fn held_for_fork(core: &ManagerCore) -> bool {
+    FORK_HOLDS.with(|h| {
+        h.try_borrow()
+            .is_ok_and(|h| h.iter().any(|f| std::ptr::eq(f.owner.get(), core)))
+    })
 }
 
 /// Release what [`_managers_before_fork`] locked on this thread (each dropped outside the
@@ -622,7 +637,7 @@ impl ManagerCore {
             match self.inner.try_lock() {
                 Ok(guard) => return Ok(applied(guard)),
                 Err(TryLockError::Poisoned(_)) => return Err(LockError::Poisoned),
-                Err(TryLockError::WouldBlock) => self.check_orphaned()?,
+                Err(TryLockError::WouldBlock) => self.check_contended()?,
             }
             return self
                 .inner
@@ -639,7 +654,7 @@ impl ManagerCore {
                     if self.busy.load(Ordering::Acquire) == thread_mark() {
                         return Err(LockError::Reentrant);
                     }
-                    self.check_orphaned()?;
+                    self.check_contended()?;
                     back_off(py, &mut spins);
                 }
             }
@@ -652,19 +667,22 @@ impl ManagerCore {
             Ok(guard) => Ok(guard),
             Err(TryLockError::Poisoned(_)) => Err(LockError::Poisoned),
             Err(TryLockError::WouldBlock) => {
-                self.check_orphaned()?;
+                self.check_contended()?;
                 self.inner.lock().map_err(|_| LockError::Poisoned)
             }
         }
     }
 
-    /// `Err(Orphaned)` in a fork's child whose copy of the lock no thread will release.
-    fn check_orphaned(&self) -> Result<(), LockError> {
+    /// Why a lock found taken must not be waited for: `Orphaned` in a fork's child whose copy
+    /// of the lock no thread will release, `HeldForFork` when this thread holds it for a fork.
+    fn check_contended(&self) -> Result<(), LockError> {
         if self.orphaned.load(Ordering::Acquire) {
-            Err(LockError::Orphaned)
-        } else {
-            Ok(())
+            return Err(LockError::Orphaned);
         }
+        if held_for_fork(self) {
+            return Err(LockError::HeldForFork);
+        }
+        Ok(())
     }
 
     /// Lock the manager for a fork, waiting (detached) for a call another thread runs to end;
