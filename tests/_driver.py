@@ -18,6 +18,7 @@ import os
 import random
 import sys
 import time
+import types
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -363,7 +364,7 @@ class ImplSpec:
     """How to build one implementation: manager class, context class, introspection."""
 
     name: str
-    manager_cls: type
+    manager_cls: Callable[..., Any]
     context_cls: type
     state: Callable[[Any], dict[str, Any]] | None
 
@@ -386,6 +387,52 @@ def impl_spec(name: str) -> ImplSpec:
         state = oracle_mod.state_of if name == "vllm-deep" else None
         return ImplSpec(name, oracle.CPUOffloadingManager, oracle.ReqContext, state)
     raise ValueError(f"unknown implementation {name!r}; known: {IMPL_NAMES}")
+
+
+#: The recording plug-in policies (``tests/_helpers.py``) by the driver's policy name.
+PLUGIN_CLASSES = {"mru": "RecordedMRUPolicy", "random": "RecordedRandomPolicy"}
+
+#: The module ``install_plugins`` makes of them.
+PLUGIN_MODULE = "kvoffload_driver_plugins"
+
+
+def install_plugins(vllm: bool) -> str:
+    """Make the recording plug-ins importable in this process (subclassing vLLM's
+    ``CachePolicy`` when ``vllm``, which needs the oracle loaded, else kvoffload's); the
+    module's name."""
+    if PLUGIN_MODULE not in sys.modules:
+        from _helpers import OWN_POLICY, VLLM_POLICIES
+
+        if vllm:
+            _load_tool("vllm_oracle").load()
+        module = types.ModuleType(PLUGIN_MODULE)
+        code = compile(VLLM_POLICIES if vllm else OWN_POLICY, f"<{PLUGIN_MODULE}>", "exec")
+        exec(code, module.__dict__)  # the suite's own source text
+        sys.modules[PLUGIN_MODULE] = module
+    return PLUGIN_MODULE
+
+
+def plugin_spec(spec: ImplSpec, module: str) -> ImplSpec:
+    """``spec``'s manager driving the recording plug-in of ``module`` that the driver's policy
+    name (``mru`` or ``random``) stands for; its state is what ``plugin_state`` reads."""
+
+    def make(**kwargs: Any) -> Any:
+        cls = PLUGIN_CLASSES[kwargs["cache_policy"]]
+        return spec.manager_cls(
+            **{**kwargs, "cache_policy": cls, "cache_policy_module_path": module}
+        )
+
+    return ImplSpec(spec.name, make, spec.context_cls, plugin_state)
+
+
+def plugin_state(mgr: Any) -> dict[str, Any]:
+    """The calls ``mgr`` made of its recording plug-in since the last look (all but ``get``,
+    in order, with their arguments and ``evict``'s answers), and the plug-in's chunks (the
+    session checks their ref counts against its model)."""
+    policy = getattr(mgr, "policy", None) or mgr._policy  # vLLM's manager keeps it private
+    calls, policy.calls = policy.calls, []
+    resident = {key: (chunk.chunk_id, chunk.ref_cnt) for key, chunk in policy.chunks.items()}
+    return {"calls": calls, "resident": resident}
 
 
 class Impl:

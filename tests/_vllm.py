@@ -116,7 +116,7 @@ def via_spec(
 def vllm_spec_impl(oracle: Any) -> _driver.ImplSpec:
     """vLLM's manager as vLLM's own ``CPUOffloadingSpec`` builds it."""
     make = via_spec(oracle, lambda policy: {"eviction_policy": policy}, lambda m: m)
-    return _driver.ImplSpec("vllm", make, oracle.ReqContext, None)  # type: ignore[arg-type]
+    return _driver.ImplSpec("vllm", make, oracle.ReqContext, None)
 
 
 def run_seeded(specs: list[_driver.ImplSpec], policy: str, threshold: int, count: int) -> None:

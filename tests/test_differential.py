@@ -188,3 +188,31 @@ def test_driver_sequences_are_deterministic() -> None:
     assert first.mismatch is None
     assert first.ops == again.ops
     assert first.config == again.config
+
+
+def test_difftest_compares_the_calls_managers_make_of_a_plug_in(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    difftest = _driver._load_tool("difftest")
+    argv = ["--plug-ins", "--sequences", "2", "--calls", "200", "--no-shrink"]
+    assert difftest.main(argv) == 0
+    out = capsys.readouterr().out
+    for policy in _driver.PLUGIN_CLASSES:
+        assert f"{policy} threshold=1: 2 sequences, 400 calls, 0 mismatches" in out
+    # The reference forgets to pass touches on to its policy: the calls differ.
+    from kvoffload.reference import CPUOffloadingManager as ReferenceManager
+
+    monkeypatch.setattr(ReferenceManager, "touch", lambda self, keys, req_context: None)
+    assert difftest.main([*argv, "--policies", "mru", "--thresholds", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "rust.calls: [(touch," in out
+    assert "total: 2 sequences, 2 mismatches" in out
+
+
+def test_difftest_plug_in_mode_refuses_built_in_policy_names(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    difftest = _driver._load_tool("difftest")
+    with pytest.raises(SystemExit):
+        difftest.main(["--plug-ins", "--policies", "lru"])
+    assert "--policies: choose from mru, random" in capsys.readouterr().err

@@ -100,7 +100,7 @@ def _plugin_impl(
         module, cls = classes[kwargs["cache_policy"]]
         return manager_cls(**{**kwargs, "cache_policy": cls, "cache_policy_module_path": module})
 
-    return _driver.ImplSpec(name, make, context_cls, state)  # type: ignore[arg-type]
+    return _driver.ImplSpec(name, make, context_cls, state)
 
 
 def _run(specs: list[_driver.ImplSpec], policy: str, threshold: int, seeds: range) -> None:
@@ -126,29 +126,15 @@ def test_vllm_policy_in_rust_manager_matches_vllms_manager(
     _run(specs, policy, threshold, range(12))
 
 
-def _calls_made(mgr: Any) -> dict[str, Any]:
-    """The calls the manager made of its recording plug-in since the last look, and the
-    plug-in's chunks (the driver checks their ref counts against its model)."""
-    policy = getattr(mgr, "policy", None) or mgr._policy  # vLLM's is private
-    calls, policy.calls = policy.calls, []
-    resident = {key: (chunk.chunk_id, chunk.ref_cnt) for key, chunk in policy.chunks.items()}
-    return {"calls": calls, "resident": resident}
-
-
 @pytest.mark.parametrize("threshold", [1, 2, 3])
-@pytest.mark.parametrize("policy", ["mru", "random"])
+@pytest.mark.parametrize("policy", sorted(_driver.PLUGIN_CLASSES))
 def test_both_managers_call_a_plug_in_exactly_as_vllms_manager_does(
     oracle: Any, policy_modules: Path, policy: str, threshold: int
 ) -> None:
     """Every call but ``get``, in order, with the same arguments (and answers from ``evict``)."""
-    classes = {
-        "mru": (VLLM_MODULE, "RecordedMRUPolicy"),
-        "random": (VLLM_MODULE, "RecordedRandomPolicy"),
-    }
     specs = [
-        _plugin_impl("vllm", oracle.CPUOffloadingManager, oracle.ReqContext, classes, _calls_made),
-        _plugin_impl("rust", CPUOffloadingManager, ReqContext, classes, _calls_made),
-        _plugin_impl("reference", ReferenceManager, ReqContext, classes, _calls_made),
+        _driver.plugin_spec(_driver.impl_spec(name), VLLM_MODULE)
+        for name in ("vllm", "rust", "reference")
     ]
     _run(specs, policy, threshold, range(12))
 
@@ -188,7 +174,7 @@ def test_python_twin_in_rust_manager_matches_the_built_in(policy: str) -> None:
         return CPUOffloadingManager(**kwargs)
 
     specs = [
-        _driver.ImplSpec("rust", built_in, ReqContext, _built_in_state),  # type: ignore[arg-type]
+        _driver.ImplSpec("rust", built_in, ReqContext, _built_in_state),
         _plugin_impl("rust+python", CPUOffloadingManager, ReqContext, TWINS, _twin_state),
     ]
     _run(specs, policy, 2, range(6))

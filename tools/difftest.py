@@ -9,6 +9,12 @@ Every sequence runs on each implementation side by side (``tests/_driver.py``); 
 stats are compared after every call and, for kvoffload's managers, the introspected state too. The
 first mismatch of each configuration is shrunk to a short call sequence and printed with a Python
 repro. Exits 1 when any sequence mismatched.
+
+With ``--plug-ins`` each manager drives a Python policy instead (the policies ``mru`` and
+``random``, which record every call made of them): after every call the managers must have made
+the same calls of it, in the same order, with the same arguments::
+
+    python tools/difftest.py --plug-ins --sequences 200 --vllm --jobs 2
 """
 
 from __future__ import annotations
@@ -47,8 +53,18 @@ _specs: list[_driver.ImplSpec] = []
 _options: dict[str, object] = {}
 
 
-def _init_worker(impls: list[str], calls: int, introspect: bool, context: int) -> None:
-    _specs[:] = [_driver.impl_spec(name) for name in impls]
+def _make_specs(impls: list[str], plugins: bool) -> list[_driver.ImplSpec]:
+    specs = [_driver.impl_spec(name) for name in impls]
+    if plugins:
+        module = _driver.install_plugins(vllm=any(n.startswith("vllm") for n in impls))
+        specs = [_driver.plugin_spec(spec, module) for spec in specs]
+    return specs
+
+
+def _init_worker(
+    impls: list[str], calls: int, introspect: bool, context: int, plugins: bool
+) -> None:
+    _specs[:] = _make_specs(impls, plugins)
     _options.update(calls=calls, introspect=introspect, context=context)
 
 
@@ -74,7 +90,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sequences", type=int, default=100, help="sequences per configuration")
     parser.add_argument("--calls", type=int, default=1000, help="calls per sequence")
     parser.add_argument(
-        "--policies", nargs="+", default=["lru", "arc"], choices=list(BUILTIN_POLICIES)
+        "--policies",
+        nargs="+",
+        choices=[*BUILTIN_POLICIES, *_driver.PLUGIN_CLASSES],
+        help="default: lru arc (with --plug-ins: mru random, the only choices there)",
     )
     parser.add_argument("--thresholds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--seed", type=int, default=0, help="first seed; sequence i uses seed+i")
@@ -96,7 +115,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-shrink", action="store_true", help="do not shrink mismatches")
     parser.add_argument("--shrink-seconds", type=float, default=120.0)
     parser.add_argument("--context", type=int, default=40, help="history lines per report")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--plug-ins",
+        action="store_true",
+        help="drive recording Python plug-in policies and compare the calls made of them",
+    )
+    args = parser.parse_args(argv)
+    allowed = list(_driver.PLUGIN_CLASSES) if args.plug_ins else list(BUILTIN_POLICIES)
+    if args.policies is None:
+        args.policies = allowed if args.plug_ins else ["lru", "arc"]
+    elif not set(args.policies) <= set(allowed):
+        parser.error(f"--policies: choose from {', '.join(allowed)}")
+    if args.plug_ins and args.vllm_state:
+        parser.error("--vllm-state reads vLLM's built-in policies; not with --plug-ins")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.sequences)
     ]
     print(f"difftest: {' vs '.join(impls)}; {len(tasks)} sequences x {args.calls} calls")
-    init_args = (impls, args.calls, introspect, args.context)
+    init_args = (impls, args.calls, introspect, args.context, args.plug_ins)
     outcomes: list[Outcome] = []
     bad = 0
     start = time.perf_counter()
@@ -143,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     by_config: dict[tuple[str, int], list[Outcome]] = defaultdict(list)
     for outcome in outcomes:
         by_config[(outcome.policy, outcome.threshold)].append(outcome)
-    specs = [_driver.impl_spec(name) for name in impls]
+    specs = _make_specs(impls, args.plug_ins)
     for _config, group in sorted(by_config.items()):
         failed = sorted((o for o in group if o.mismatch), key=lambda o: o.seed)
         if failed:
@@ -183,6 +215,8 @@ def _explain(
         return
     print(f"\n--- shrunk to {len(small.history)} calls ---")
     print(small.report(None))
+    if args.plug_ins:
+        return  # the repro would name the driver's policy, not the plug-in
     print("\n--- repro ---")
     print(small.repro())
 
