@@ -11,6 +11,7 @@ whose report holds the call history and a Python repro. ``shrink`` cuts a failin
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import importlib.util
 import itertools
@@ -250,7 +251,7 @@ def render(v: Any) -> str:
     if t is bytes:
         return key_name(v)
     if t is str:
-        return v.removeprefix("vllm:kv_offload_")
+        return str(v).removeprefix("vllm:kv_offload_")
     if isinstance(v, Raised):
         return f"raised {v.type}: {v.message}"
     if t is dict:
@@ -482,11 +483,13 @@ class Impl:
         if kind == "get_load_source":
             return canon(m.get_load_source(op.keys[0], ctx))
         if kind == "new_request":
+            assert op.rid is not None
             ctx = self.ctx[op.rid] = self.spec.context_cls(op.rid)
             for k, p in op.arg or ():
                 ctx.set_offload_key_position(k, p)
             return None
         if kind == "set_position":
+            assert ctx is not None
             for k, p in op.arg:
                 ctx.set_offload_key_position(k, p)
             return None
@@ -668,7 +671,7 @@ class Chooser:
         """One element of a non-empty sequence."""
         return seq[self.int(0, len(seq) - 1)]
 
-    def sample(self, seq: Sequence[Any], k: int) -> list[Any]:
+    def sample(self, seq: Sequence[Any], k: builtins.int) -> list[Any]:
         """``k`` distinct elements, in a random order."""
         pool = list(seq)
         return [pool.pop(self.int(0, len(pool) - 1)) for _ in range(k)]
@@ -692,7 +695,7 @@ class RandomChooser(Chooser):
         """An int in ``[lo, hi]``."""
         return self.rng.randint(lo, hi)
 
-    def sample(self, seq: Sequence[Any], k: int) -> list[Any]:
+    def sample(self, seq: Sequence[Any], k: builtins.int) -> list[Any]:
         """``k`` distinct elements, in a random order."""
         return self.rng.sample(list(seq), k)
 
@@ -761,9 +764,9 @@ class Generator:
         if kind is not None:
             return self.make(kind, ch)
         for _ in range(20):
-            op = self.make(ch.weighted(self.kinds, self.cum), ch)
-            if op is not None:
-                return op
+            made = self.make(ch.weighted(self.kinds, self.cum), ch)
+            if made is not None:
+                return made
         return Op("get_stats")
 
     def make(self, kind: str, ch: Chooser) -> Op | None:
