@@ -430,7 +430,7 @@ def plugin_state(mgr: Any) -> dict[str, Any]:
     """The calls ``mgr`` made of its recording plug-in since the last look (all but ``get``,
     in order, with their arguments and ``evict``'s answers), and the plug-in's chunks (the
     session checks their ref counts against its model)."""
-    policy = getattr(mgr, "policy", None) or mgr._policy  # vLLM's manager keeps it private
+    policy = mgr.policy if hasattr(mgr, "policy") else mgr._policy  # vLLM's keeps it private
     calls, policy.calls = policy.calls, []
     resident = {key: (chunk.chunk_id, chunk.ref_cnt) for key, chunk in policy.chunks.items()}
     return {"calls": calls, "resident": resident}
