@@ -21,7 +21,7 @@ import sys
 import time
 import types
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -413,17 +413,28 @@ def install_plugins(vllm: bool) -> str:
     return PLUGIN_MODULE
 
 
+def plugin_impl(
+    name: str,
+    manager_cls: Callable[..., Any],
+    context_cls: type,
+    classes: Mapping[str, tuple[str, str]],
+    state: Callable[[Any], dict[str, Any]] | None,
+) -> ImplSpec:
+    """A manager running, for the driver's policy name, the plug-in ``classes[name]`` (its
+    module and class name)."""
+
+    def make(**kwargs: Any) -> Any:
+        module, cls = classes[kwargs["cache_policy"]]
+        return manager_cls(**{**kwargs, "cache_policy": cls, "cache_policy_module_path": module})
+
+    return ImplSpec(name, make, context_cls, state)
+
+
 def plugin_spec(spec: ImplSpec, module: str) -> ImplSpec:
     """``spec``'s manager driving the recording plug-in of ``module`` that the driver's policy
     name (``mru`` or ``random``) stands for; its state is what ``plugin_state`` reads."""
-
-    def make(**kwargs: Any) -> Any:
-        cls = PLUGIN_CLASSES[kwargs["cache_policy"]]
-        return spec.manager_cls(
-            **{**kwargs, "cache_policy": cls, "cache_policy_module_path": module}
-        )
-
-    return ImplSpec(spec.name, make, spec.context_cls, plugin_state)
+    classes = {name: (module, cls) for name, cls in PLUGIN_CLASSES.items()}
+    return plugin_impl(spec.name, spec.manager_cls, spec.context_cls, classes, plugin_state)
 
 
 def plugin_state(mgr: Any) -> dict[str, Any]:

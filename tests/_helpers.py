@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -354,3 +356,58 @@ class RecordedRandomPolicy(Recorded, SeededRandomPolicy):
 OWN_POLICY = VLLM_POLICIES.replace(
     "from vllm.v1.kv_offload.cpu.policies.base import", "from kvoffload.policies import"
 )
+
+
+# --- scenarios in a child Python (a fork, a hang turned into a failure) ---
+
+#: A child Python's scenario given more than this has hung.
+CHILD_TIME_LIMIT_S = 120
+
+#: Source that scenarios run in a child Python start with: ``fork_and_wait(child, limit)`` forks,
+#: runs ``child`` in the forked child and returns its exit status (3 when it raised; the child
+#: is killed, and the status is "hung", past ``limit`` seconds); ``plug_in(name, cls)`` makes
+#: ``cls`` a plug-in policy module and returns the manager's keyword arguments naming it.
+FORK_PRELUDE = """
+import os, sys, time, threading, types
+import kvoffload
+from kvoffload import CPUOffloadingManager, ReqContext
+
+def fork_and_wait(child, limit=30.0):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            child()
+        except BaseException as e:  # any failure is the child's exit status
+            print(f"child failed: {e!r}", file=sys.stderr, flush=True)
+            os._exit(3)
+        os._exit(0)
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return "hung"
+
+def plug_in(name, cls):
+    module = types.ModuleType(name)
+    setattr(module, cls.__name__, cls)
+    sys.modules[name] = module
+    return dict(cache_policy=cls.__name__, cache_policy_module_path=name)
+"""
+
+
+def run_child_python(program: str) -> subprocess.CompletedProcess[str]:
+    """Run ``program`` in a child Python, which must exit cleanly within
+    ``CHILD_TIME_LIMIT_S``."""
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIME_LIMIT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done

@@ -8,59 +8,16 @@ scenario runs in a child Python with a time limit: a regression hangs instead of
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
-#: A scenario given more than this has hung.
-TIME_LIMIT_S = 120
-
-#: Shared by the scenarios: fork, run ``child`` in the child, and return its exit status (the
-#: child is killed, and the status is "hung", past ``limit`` seconds).
-_FORK = """
-import os, sys, time, threading, types
-import kvoffload
-from kvoffload import CPUOffloadingManager, ReqContext
-
-def fork_and_wait(child, limit=30.0):
-    pid = os.fork()
-    if pid == 0:
-        try:
-            child()
-        except BaseException as e:  # any failure is the child's exit status
-            print(f"child failed: {e!r}", file=sys.stderr, flush=True)
-            os._exit(3)
-        os._exit(0)
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    return "hung"
-
-def plug_in(name, cls):
-    module = types.ModuleType(name)
-    setattr(module, cls.__name__, cls)
-    sys.modules[name] = module
-    return dict(cache_policy=cls.__name__, cache_policy_module_path=name)
-"""
+from _helpers import FORK_PRELUDE, run_child_python
 
 
 def _run(script: str, expect: str, before_import: str = "") -> None:
-    """Run ``before_import``, ``_FORK`` and ``script`` in a child Python; it must exit cleanly
-    printing ``expect``."""
-    program = textwrap.dedent(before_import) + _FORK + textwrap.dedent(script)
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", program],
-        capture_output=True,
-        text=True,
-        timeout=TIME_LIMIT_S,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    """Run ``before_import``, the fork prelude and ``script`` in a child Python; it must exit
+    cleanly printing ``expect``."""
+    program = textwrap.dedent(before_import) + FORK_PRELUDE + textwrap.dedent(script)
+    done = run_child_python(program)
     assert done.stdout.strip() == expect, done.stderr
 
 

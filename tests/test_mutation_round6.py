@@ -9,65 +9,21 @@ names the mutants it kills in its docstring.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from _helpers import k
+from _helpers import FORK_PRELUDE, k, run_child_python
 from kvoffload import ReqContext, _native
 from kvoffload.policies import ChunkStatus
 
-#: A scenario given more than this has hung.
-TIME_LIMIT_S = 120
-
-#: Shared by the scenarios: a plug-in policy module, and a fork whose child runs a function and
-#: exits with 0 on success (3 on failure; "hung" when killed past ``limit`` seconds).
-_PRELUDE = """
-import os, sys, threading, time, types
-import kvoffload
-from kvoffload import CPUOffloadingManager, ReqContext
-from kvoffload.reference.lru import LruPolicy
-
-def plug_in(name, cls):
-    module = types.ModuleType(name)
-    setattr(module, cls.__name__, cls)
-    sys.modules[name] = module
-    return dict(cache_policy=cls.__name__, cache_policy_module_path=name)
-
-def fork_and_wait(child, limit=60.0):
-    pid = os.fork()
-    if pid == 0:
-        try:
-            child()
-        except BaseException as e:  # any failure is the child's exit status
-            print(f"child failed: {e!r}", file=sys.stderr, flush=True)
-            os._exit(3)
-        os._exit(0)
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    return "hung"
-"""
+#: The fork prelude, and the policy the scenarios subclass.
+_PRELUDE = FORK_PRELUDE + "from kvoffload.reference.lru import LruPolicy\n"
 
 
 def _run(script: str) -> str:
     """Run ``_PRELUDE`` and ``script`` in a child Python; its output, once it exited cleanly."""
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", _PRELUDE + textwrap.dedent(script)],
-        capture_output=True,
-        text=True,
-        timeout=TIME_LIMIT_S,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout.strip()
+    return run_child_python(_PRELUDE + textwrap.dedent(script)).stdout.strip()
 
 
 # --- spot 1: a request state's lock and its holder mark -------------------------------------
@@ -121,7 +77,7 @@ def test_another_thread_reading_a_state_a_python_policy_holds_waits_for_the_call
             m.check_invariants()
 
         scenario()
-        print(fork_and_wait(scenario))
+        print(fork_and_wait(scenario, 60.0))
     """)
     assert out == "0"
 
@@ -169,7 +125,7 @@ def test_a_forked_child_waits_for_its_own_threads_call_on_a_request_state() -> N
             assert reads > 0
             m.check_invariants()
 
-        print(fork_and_wait(contended_reads))
+        print(fork_and_wait(contended_reads, 60.0))
     """)
     assert out == "0"
 

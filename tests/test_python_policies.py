@@ -91,18 +91,6 @@ def _twin_state(mgr: Any) -> dict[str, Any]:
     return {**_state(mgr), "order": mgr.policy.state()}
 
 
-def _plugin_impl(
-    name: str, manager_cls: Any, context_cls: type, classes: dict[str, tuple[str, str]], state: Any
-) -> _driver.ImplSpec:
-    """A manager running, for the driver's policy name, the plug-in class ``classes[name]``."""
-
-    def make(**kwargs: Any) -> Any:
-        module, cls = classes[kwargs["cache_policy"]]
-        return manager_cls(**{**kwargs, "cache_policy": cls, "cache_policy_module_path": module})
-
-    return _driver.ImplSpec(name, make, context_cls, state)
-
-
 def _run(specs: list[_driver.ImplSpec], policy: str, threshold: int, seeds: range) -> None:
     for seed in seeds:
         result = _driver.run_sequence(specs, policy, threshold, seed, calls=250)
@@ -120,8 +108,8 @@ def test_vllm_policy_in_rust_manager_matches_vllms_manager(
 ) -> None:
     classes = {name: (VLLM_MODULE, cls) for name, cls in VLLM_CLASSES.items()}
     specs = [
-        _plugin_impl("vllm", oracle.CPUOffloadingManager, oracle.ReqContext, classes, None),
-        _plugin_impl("rust", CPUOffloadingManager, ReqContext, classes, None),
+        _driver.plugin_impl("vllm", oracle.CPUOffloadingManager, oracle.ReqContext, classes, None),
+        _driver.plugin_impl("rust", CPUOffloadingManager, ReqContext, classes, None),
     ]
     _run(specs, policy, threshold, range(12))
 
@@ -159,8 +147,8 @@ def test_vllm_policy_gets_vllms_chunk_status(oracle: Any, policy_modules: Path) 
 def test_own_policy_matches_the_reference_manager(policy_modules: Path) -> None:
     classes = {"mru": (OWN_MODULE, "MRUPolicy")}
     specs = [
-        _plugin_impl("reference", ReferenceManager, ReqContext, classes, _state),
-        _plugin_impl("rust", CPUOffloadingManager, ReqContext, classes, _state),
+        _driver.plugin_impl("reference", ReferenceManager, ReqContext, classes, _state),
+        _driver.plugin_impl("rust", CPUOffloadingManager, ReqContext, classes, _state),
     ]
     _run(specs, "mru", 2, range(12))
 
@@ -170,12 +158,9 @@ def test_own_policy_matches_the_reference_manager(policy_modules: Path) -> None:
 
 @pytest.mark.parametrize("policy", sorted(TWINS))
 def test_python_twin_in_rust_manager_matches_the_built_in(policy: str) -> None:
-    def built_in(**kwargs: Any) -> Any:
-        return CPUOffloadingManager(**kwargs)
-
     specs = [
-        _driver.ImplSpec("rust", built_in, ReqContext, _built_in_state),
-        _plugin_impl("rust+python", CPUOffloadingManager, ReqContext, TWINS, _twin_state),
+        _driver.ImplSpec("rust", CPUOffloadingManager, ReqContext, _built_in_state),
+        _driver.plugin_impl("rust+python", CPUOffloadingManager, ReqContext, TWINS, _twin_state),
     ]
     _run(specs, policy, 2, range(6))
     _run(specs, policy, 1, range(6))

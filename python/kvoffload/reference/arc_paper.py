@@ -27,7 +27,7 @@ from collections.abc import Sequence, Set
 from typing import Any
 
 from kvoffload.reference.arc import ArcPolicy
-from kvoffload.reference.policy import ChunkStatus, RequestContext
+from kvoffload.reference.policy import ChunkStatus, RequestContext, enough_ready
 
 __all__ = ["LibCacheSimArc", "VllmArcWithSwitches"]
 
@@ -106,9 +106,8 @@ class VllmArcWithSwitches(ArcPolicy):
         """Evict ``n`` keys, one REPLACE at a time (all or nothing)."""
         if not (self.paper_replace or self.paper_directory):
             return super().evict(n, protected)
-        ready = len(self.t1) + len(self.t2) - self._not_ready
-        ready -= sum(1 for k in protected if (s := self.get(k)) is not None and s.is_evictable)
-        if ready < n:
+        resident = len(self.t1) + len(self.t2)
+        if not enough_ready(n, protected, resident, self._not_ready, self.get):
             return None
         victims: list[tuple[bytes, ChunkStatus]] = []
         for _ in range(n):

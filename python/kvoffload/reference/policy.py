@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 from abc import abstractmethod
-from collections.abc import Iterator, Sequence, Set
+from collections.abc import Callable, Iterator, Sequence, Set
 
 from kvoffload.errors import InvalidArgumentError, InvariantViolation
 from kvoffload.policies import CachePolicy as BaseCachePolicy
@@ -98,6 +98,28 @@ class CachePolicy(BaseCachePolicy):
         """Raise `kvoffload.errors.InvariantViolation` if internal structures disagree."""
 
 
+def enough_ready(
+    n: int,
+    protected: Set[bytes],
+    resident: int,
+    not_ready: int,
+    get: Callable[[bytes], ChunkStatus | None],
+) -> bool:
+    """Whether ``n`` resident keys are ready and outside ``protected``.
+
+    ``resident`` keys are held, ``not_ready`` of them pending or pinned; ``get`` gives a
+    resident key's status. The protected keys are looked at only when they could make the
+    difference.
+    """
+    ready = resident - not_ready
+    if ready - len(protected) >= n:
+        return True
+    for key in protected:
+        status = get(key)
+        ready -= status is not None and status.is_evictable
+    return ready >= n
+
+
 def require(condition: bool, message: str) -> None:
     """Raise InvariantViolation with ``message`` unless ``condition`` holds."""
     if not condition:
@@ -142,11 +164,7 @@ class OwnPolicy(CachePolicy):
 
     def _can_evict(self, n: int, protected: Set[bytes]) -> bool:
         """Whether ``n`` ready keys outside ``protected`` are resident."""
-        ready = len(self.entries) - self._not_ready
-        for key in protected:
-            status = self.entries.get(key)
-            ready -= status is not None and status.is_evictable
-        return ready >= n
+        return enough_ready(n, protected, len(self.entries), self._not_ready, self.entries.get)
 
     def check_invariants(self) -> None:
         """The count of keys not ready matches the statuses."""
