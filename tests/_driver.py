@@ -758,6 +758,7 @@ class Generator:
         self.closed: deque[str] = deque(maxlen=3)  # recently finished: late calls still come
         self.queue: deque[Op] = deque()
         self.next_rid = 0
+        self.rid_prefix = "r"  # request names: r0, r1, ...
         # The workload shape of each request: its keys head to tail, and their positions.
         self.prompts: dict[str, list[bytes]] = {}
         self.positions: dict[str, dict[bytes, int]] = {}
@@ -819,7 +820,7 @@ class Generator:
         cfg = self.model.config
         if len(self.open) >= cfg.max_active:
             return None
-        rid = f"r{self.next_rid}"
+        rid = f"{self.rid_prefix}{self.next_rid}"
         self.next_rid += 1
         self.prompts[rid], self.positions[rid] = [], {}
         # Position style: equal positions (ties) or by block index; known for no, some or all keys.
@@ -1016,44 +1017,62 @@ class Mismatch(AssertionError):
         lines = [f"{self.what} mismatch at call #{self.index}: {self.op}  [{self.label}]"]
         lines += [f"  {name}: {text}" for name, text in self.detail.items()]
         lines.append(f"config: {self.config}")
-        shown = self.history if context is None else self.history[-context:]
-        if len(shown) < len(self.history):
-            lines.append(f"history (last {len(shown)} of {len(self.history)} calls):")
-        else:
-            lines.append("history:")
-        first = len(self.history) - len(shown)
-        for i, (op, res) in enumerate(shown, first):
-            out = "" if res is None and op.kind != "prepare_store" else f" -> {render(res)}"
-            lines.append(f"  #{i} {op}{out}")
-        return "\n".join(lines)
+        steps = [("", op, res) for op, res in self.history]
+        return "\n".join(lines + _history_lines(steps, context))
 
     def repro(self) -> str:
         """A standalone Python script replaying the history on one manager."""
-        head = [
-            "from itertools import islice",
-            "from kvoffload import ReqContext, make_offload_key",
-            "from kvoffload.reference import CPUOffloadingManager",
-            "",
-            KEY_SOURCE,
-            "",
-            "def take(it, n):",
-            "    return list(islice(it, n))",
-            "",
-            "m = CPUOffloadingManager("
-            + ", ".join(f"{k}={v!r}" for k, v in self.config.manager_kwargs().items())
-            + ")",
-        ]
-        body = []
-        for i, (op, res) in enumerate(self.history):
-            lines = op.code()
-            if i == len(self.history) - 1:
-                if op.kind not in ("new_request", "set_position", "events_drop"):
-                    lines[-1] = f"print({lines[-1]})"
-                lines += [f"# {name}: {text}" for name, text in self.detail.items()]
-            elif res is not None or op.kind == "prepare_store":
-                lines[-1] += f"  # -> {render(res)}"
-            body += lines
-        return "\n".join(head + body) + "\n"
+        steps = [("m", op, res) for op, res in self.history]
+        return _repro_script({"m": self.config}, steps, self.detail)
+
+
+def _history_lines(steps: Sequence[tuple[str, Op, Any]], context: int | None) -> list[str]:
+    """A report's history: the last ``context`` steps (all: None), each with the name of the
+    manager it ran on (when there are several) and its result."""
+    shown = steps if context is None else steps[-context:]
+    if len(shown) < len(steps):
+        lines = [f"history (last {len(shown)} of {len(steps)} calls):"]
+    else:
+        lines = ["history:"]
+    for i, (name, op, res) in enumerate(shown, len(steps) - len(shown)):
+        out = "" if res is None and op.kind != "prepare_store" else f" -> {render(res)}"
+        lines.append(f"  #{i} {name + '.' if name else ''}{op}{out}")
+    return lines
+
+
+def _repro_script(
+    managers: Mapping[str, Config], steps: Sequence[tuple[str, Op, Any]], detail: Mapping[str, str]
+) -> str:
+    """A standalone Python script building the reference managers ``managers`` (by variable
+    name) and replaying ``steps`` on them; the last step's result is printed."""
+    head = [
+        "from itertools import islice",
+        "from kvoffload import ReqContext, make_offload_key",
+        "from kvoffload.reference import CPUOffloadingManager",
+        "",
+        KEY_SOURCE,
+        "",
+        "def take(it, n):",
+        "    return list(islice(it, n))",
+        "",
+    ]
+    head += [
+        f"{name} = CPUOffloadingManager("
+        + ", ".join(f"{k}={v!r}" for k, v in cfg.manager_kwargs().items())
+        + ")"
+        for name, cfg in managers.items()
+    ]
+    body = []
+    for i, (name, op, res) in enumerate(steps):
+        lines = op.code(name)
+        if i == len(steps) - 1:
+            if op.kind not in ("new_request", "set_position", "events_drop"):
+                lines[-1] = f"print({lines[-1]})"
+            lines += [f"# {who}: {text}" for who, text in detail.items()]
+        elif res is not None or op.kind == "prepare_store":
+            lines[-1] += f"  # -> {render(res)}"
+        body += lines
+    return "\n".join(head + body) + "\n"
 
 
 class Session:
@@ -1235,6 +1254,128 @@ def shrink(
             else:
                 j += 1
     return best
+
+
+# --- two managers sharing their request contexts ---
+
+#: Calls that make a manager's request state current on the context (replacing any other's).
+_RECORDING = frozenset({"prepare_store", "prepare_load", "on_new_request"})
+
+#: Steps that change a context rather than call a manager: made once, known to both models.
+_CONTEXT_OPS = frozenset({"new_request", "set_position"})
+
+
+class SharedMismatch(Mismatch):
+    """A ``Mismatch`` in a run of two managers, reported with the calls of both in order."""
+
+    def __init__(
+        self, inner: Mismatch, steps: list[tuple[str, Op, Any]], configs: Mapping[str, Config]
+    ) -> None:
+        self.steps, self.configs = steps, configs
+        history = [(op, res) for _, op, res in steps]
+        super().__init__(
+            inner.what, len(steps) - 1, inner.op, inner.detail, inner.config, history, inner.label
+        )
+
+    def report(self, context: int | None = 40) -> str:
+        lines = [f"{self.what} mismatch at call #{self.index}: {self.op}  [{self.label}]"]
+        lines += [f"  {name}: {text}" for name, text in self.detail.items()]
+        lines += [f"manager {name}: {cfg}" for name, cfg in self.configs.items()]
+        return "\n".join(lines + _history_lines(self.steps, context))
+
+    def repro(self) -> str:
+        return _repro_script(self.configs, self.steps, self.detail)
+
+
+class SharedSession:
+    """Two managers per implementation, ``a`` and ``b``, that share every request context, as
+    two offloading tiers of one engine would.
+
+    A manager's recording call replaces the other's request state on the context (vLLM's
+    managers keep it under one type), so the other's model forgets what that request recorded.
+    Each manager has its own model and generator; the generators share the requests.
+    """
+
+    NAMES = ("a", "b")
+
+    def __init__(
+        self,
+        configs: Sequence[Config],
+        specs: Sequence[ImplSpec],
+        ch: Chooser,
+        label: str = "",
+        introspect: bool = True,
+    ) -> None:
+        self.configs = dict(zip(self.NAMES, configs, strict=True))
+        self.sessions = [
+            Session(cfg, specs, f"{label} manager {name}", introspect)
+            for name, cfg in self.configs.items()
+        ]
+        first, other = self.sessions
+        for mine, theirs in zip(first.impls, other.impls, strict=True):
+            theirs.ctx = mine.ctx  # one context per request and implementation
+        self.gens = [Generator(s.model, ch) for s in self.sessions]
+        lead, follow = self.gens
+        follow.rid_prefix = "s"
+        follow.prompts, follow.positions, follow.styles = lead.prompts, lead.positions, lead.styles
+        follow.open, follow.closed = lead.open, lead.closed
+        self.steps: list[tuple[str, Op, Any]] = []
+
+    def step(self, which: int, ch: Chooser) -> Any:
+        """Draw manager ``which``'s next legal op and apply it."""
+        op = self.gens[which].next_op(ch)
+        assert op is not None
+        return self.apply(which, op)
+
+    def apply(self, which: int, op: Op) -> Any:
+        """Run ``op`` on manager ``which`` of every implementation (a context step once, for
+        both); raise ``SharedMismatch`` on the first difference."""
+        name, me = self.NAMES[which], self.sessions[which]
+        try:
+            if op.kind in _CONTEXT_OPS:
+                res = self.sessions[0].apply(op)
+                for s in self.sessions[1:]:
+                    s.model.update(op, res)
+            else:
+                res = me.apply(op)
+                if op.kind in _RECORDING:
+                    for s in self.sessions:
+                        req = s.model.reqs.get(op.rid or "")
+                        if s is not me and req is not None:
+                            req.current = False  # its state on the context was replaced
+        except Mismatch as inner:
+            self.steps.append((name, op, inner.history[-1][1]))
+            raise SharedMismatch(inner, self.steps, self.configs) from None
+        self.steps.append((name, op, res))
+        return res
+
+
+def run_shared_sequence(
+    specs: Sequence[ImplSpec],
+    policies: tuple[str, str],
+    threshold: int,
+    seed: int,
+    calls: int,
+    introspect: bool = True,
+) -> SequenceResult:
+    """One seeded sequence of ``calls`` legal calls on two managers (of ``policies``) sharing
+    their request contexts; runs of calls on one manager alternate with runs on the other."""
+    rng = random.Random(f"shared/{policies[0]}+{policies[1]}/{threshold}/{seed}")
+    ch = RandomChooser(rng)
+    config = Config.draw(ch, policies[0], threshold)
+    configs = [config, dataclasses.replace(config, policy=policies[1])]
+    label = f"{'+'.join(policies)} threshold={threshold} seed={seed}"
+    session = SharedSession(configs, specs, ch, label, introspect)
+    which = 0
+    try:
+        for _ in range(calls):
+            if ch.chance(0.3):
+                which = 1 - which
+            session.step(which, ch)
+    except SharedMismatch as mismatch:
+        ops = [op for _, op, _ in session.steps]
+        return SequenceResult(seed, config, len(session.steps), mismatch, ops)
+    return SequenceResult(seed, config, calls, None, [op for _, op, _ in session.steps])
 
 
 def _items(op: Op) -> tuple[Any, ...]:

@@ -142,6 +142,35 @@ def test_seeded_sequences_vllm_oracle(policy: str, threshold: int) -> None:
     _run_seeded((*IMPLS, _oracle()), policy, threshold, count=30, calls=400)
 
 
+#: Pairs of managers sharing request contexts: an LRU manager's request rank must outlive the
+#: other manager's replacing of its request state exactly when vLLM's does.
+SHARED_PAIRS = (("lru", "arc"), ("arc", "lru"), ("lru", "lru"), ("lru", "fifo"))
+
+
+def _run_shared(impls: Sequence[str], policies: tuple[str, str], count: int, calls: int) -> None:
+    specs = [_driver.impl_spec(name) for name in impls]
+    for seed in range(count):
+        threshold = THRESHOLDS[seed % len(THRESHOLDS)]
+        result = _driver.run_shared_sequence(specs, policies, threshold, seed, calls)
+        if result.mismatch is not None:
+            pytest.fail(
+                f"{result.mismatch.report(60)}\n\nrepro:\n{result.mismatch.repro()}",
+                pytrace=False,
+            )
+
+
+@pytest.mark.parametrize("policies", SHARED_PAIRS, ids="+".join)
+def test_two_managers_sharing_request_contexts(policies: tuple[str, str]) -> None:
+    _run_shared(IMPLS, policies, count=40, calls=400)
+
+
+@pytest.mark.parametrize(
+    "policies", [p for p in SHARED_PAIRS if set(p) <= set(VLLM_POLICIES)], ids="+".join
+)
+def test_two_managers_sharing_request_contexts_vllm_oracle(policies: tuple[str, str]) -> None:
+    _run_shared((*IMPLS, _oracle()), policies, count=25, calls=400)
+
+
 def _broken_reference() -> _driver.ImplSpec:
     """The reference with one planted bug: a failed store is completed as a success."""
     from kvoffload.reference import CPUOffloadingManager
@@ -207,6 +236,38 @@ def test_difftest_compares_the_calls_managers_make_of_a_plug_in(
     out = capsys.readouterr().out
     assert "rust.calls: [(touch," in out
     assert "total: 2 sequences, 2 mismatches" in out
+
+
+def test_difftest_shared_mode_runs_two_managers_on_one_set_of_contexts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    difftest = _driver._load_tool("difftest")
+    argv = ["--shared", "--policies", "lru", "arc", "--thresholds", "1"]
+    argv += ["--sequences", "3", "--calls", "300", "--no-shrink"]
+    assert difftest.main(argv) == 0
+    out = capsys.readouterr().out
+    for pair in ("lru+lru", "lru+arc", "arc+lru", "arc+arc"):
+        assert f"{pair} threshold=1: 3 sequences, 900 calls, 0 mismatches" in out
+    # A reference LRU that takes up any policy's request rank, not only its own: only two
+    # managers sharing a context can tell.
+    from kvoffload.reference import lru
+
+    def any_rank(self: lru.LruPolicy, req_context: Any) -> int:
+        state = req_context.get_state(lru._RequestRank)
+        if state is None or state.epoch != self._epoch:
+            state = lru._RequestRank(self, self._epoch, self._fresh_rank()[0])
+            req_context.set_state(state)
+        return int(state.rank)
+
+    monkeypatch.setattr(lru.LruPolicy, "_request_rank", any_rank)
+    assert difftest.main(["--policies", "lru", "--sequences", "3", "--calls", "300"]) == 0
+    capsys.readouterr()
+    assert difftest.main([*argv, "--policies", "lru"]) == 1
+    out = capsys.readouterr().out
+    assert "lru+lru threshold=1: 3 sequences" in out
+    assert "state mismatch" in out  # the rank a reference manager took is not its own
+    assert "a.prepare_store" in out
+    assert "b.prepare_store" in out
 
 
 def test_difftest_plug_in_mode_refuses_built_in_policy_names(

@@ -15,6 +15,12 @@ With ``--plug-ins`` each manager drives a Python policy instead (the policies ``
 the same calls of it, in the same order, with the same arguments::
 
     python tools/difftest.py --plug-ins --sequences 200 --vllm --jobs 2
+
+With ``--shared`` each sequence drives two managers per implementation that share every request
+context (each ordered pair of ``--policies``, ``lru+arc`` say): a call of one replaces the other's
+request state on the context, and an LRU request rank must outlive that exactly as vLLM's does::
+
+    python tools/difftest.py --shared --sequences 300 --vllm --jobs 2
 """
 
 from __future__ import annotations
@@ -71,14 +77,13 @@ def _init_worker(
 def _run_one(task: tuple[str, int, int]) -> Outcome:
     policy, threshold, seed = task
     start = time.perf_counter()
-    result = _driver.run_sequence(
-        _specs,
-        policy,
-        threshold,
-        seed,
-        int(str(_options["calls"])),
-        introspect=bool(_options["introspect"]),
-    )
+    calls, introspect = int(str(_options["calls"])), bool(_options["introspect"])
+    if "+" in policy:  # --shared: two managers sharing their request contexts
+        first, second = policy.split("+")
+        pair = (first, second)
+        result = _driver.run_shared_sequence(_specs, pair, threshold, seed, calls, introspect)
+    else:
+        result = _driver.run_sequence(_specs, policy, threshold, seed, calls, introspect)
     report = None
     if result.mismatch is not None:
         report = result.mismatch.report(int(str(_options["context"])))
@@ -120,12 +125,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="drive recording Python plug-in policies and compare the calls made of them",
     )
+    parser.add_argument(
+        "--shared",
+        action="store_true",
+        help="drive two managers (each ordered pair of --policies) sharing request contexts",
+    )
     args = parser.parse_args(argv)
     allowed = list(_driver.PLUGIN_CLASSES) if args.plug_ins else list(BUILTIN_POLICIES)
     if args.policies is None:
         args.policies = allowed if args.plug_ins else ["lru", "arc"]
     elif not set(args.policies) <= set(allowed):
         parser.error(f"--policies: choose from {', '.join(allowed)}")
+    if args.shared and args.plug_ins:
+        parser.error("--shared drives the built-in policies; not with --plug-ins")
     if args.plug_ins and args.vllm_state:
         parser.error("--vllm-state reads vLLM's built-in policies; not with --plug-ins")
     return args
@@ -142,9 +154,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         impls.append("vllm-deep" if args.vllm_state else "vllm")
     introspect = not args.no_state
+    policies = list(args.policies)
+    if args.shared:
+        policies = [f"{a}+{b}" for a in policies for b in policies]
     tasks = [
         (policy, threshold, args.seed + i)
-        for policy in args.policies
+        for policy in policies
         for threshold in args.thresholds
         for i in range(args.sequences)
     ]
@@ -201,6 +216,15 @@ def _explain(
     print(f"\n=== {outcome.policy} threshold={outcome.threshold} seed={outcome.seed} ===")
     print(outcome.mismatch)
     if args.no_shrink:
+        return
+    if "+" in outcome.policy:  # not shrunk: the report holds both managers' calls in order
+        first, second = outcome.policy.split("+")
+        shared = _driver.run_shared_sequence(
+            specs, (first, second), outcome.threshold, outcome.seed, args.calls, introspect
+        )
+        if shared.mismatch is not None:
+            print("\n--- repro ---")
+            print(shared.mismatch.repro())
         return
     result = _driver.run_sequence(
         specs, outcome.policy, outcome.threshold, outcome.seed, args.calls, introspect

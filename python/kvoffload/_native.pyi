@@ -14,6 +14,7 @@ __all__ = [
     "ManagerCore",
     "PolicyCore",
     "PolicyRequestRank",
+    "RequestRankCell",
     "RequestState",
     "__version__",
     "_after_fork_in_child",
@@ -35,6 +36,13 @@ class RequestState:
 
     @property
     def finished(self) -> bool: ...
+
+@final
+class RequestRankCell:
+    """A request's LRU rank as a ``ManagerCore`` drew it, kept on the request context.
+
+    Apart from ``RequestState``, so it outlives another manager's replacing of that state.
+    """
 
 @final
 class ManagerCore:

@@ -40,5 +40,5 @@ pub use manager::{
 };
 pub use policy::{ArcPolicy, CachePolicy, LruPolicy, PolicyState};
 pub use pool::{ChunkId, ChunkPool};
-pub use request::RequestState;
+pub use request::{RankTag, RequestState};
 pub use table::{ChunkState, ChunkTable, Probe, Release, Slots};

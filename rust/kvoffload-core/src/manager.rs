@@ -2008,6 +2008,45 @@ mod tests {
     }
 
     #[test]
+    fn a_fresh_state_takes_up_its_managers_rank_and_no_other() {
+        let mut m = manager(8, PolicyKind::Lru);
+        let other = manager(8, PolicyKind::Lru);
+        let mut req = m.new_request_state();
+        assert_eq!(req.rank_tag(), None);
+        let keys: [&[u8]; 1] = [b"a"];
+        m.prepare_store(&keys, Some(&[Some(16)]), &mut req)
+            .unwrap()
+            .unwrap();
+        let tag = req
+            .rank_tag()
+            .expect("a positioned store draws the request's rank");
+        // Another manager's state, or a disowned one, does not take it up.
+        assert!(!other.new_request_state().adopt_rank(tag));
+        let mut gone = m.new_request_state();
+        gone.disown();
+        assert!(!gone.adopt_rank(tag));
+        // A fresh state of the same manager does, and records with it: no new rank is drawn.
+        let mut again = m.new_request_state();
+        assert!(again.adopt_rank(tag));
+        assert!(!again.adopt_rank(tag), "a state keeps the rank it has");
+        let drawn = |m: &Manager| match m.policy_state() {
+            PolicyState::Lru { next_rank, .. } => next_rank,
+            _ => unreachable!(),
+        };
+        let before = drawn(&m);
+        let more: [&[u8]; 1] = [b"b"];
+        m.prepare_store(&more, Some(&[Some(32)]), &mut again)
+            .unwrap()
+            .unwrap();
+        assert_eq!(drawn(&m), before);
+        assert_eq!(again.rank_tag(), Some(tag));
+        // After a reset, the tag is of an old generation.
+        m.reset_cache();
+        assert!(!m.new_request_state().adopt_rank(tag));
+        m.validate().unwrap();
+    }
+
+    #[test]
     fn a_disowned_state_is_no_managers() {
         let m = manager(4, PolicyKind::Lru);
         let mut req = m.new_request_state();

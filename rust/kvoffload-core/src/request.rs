@@ -108,6 +108,21 @@ impl SeenKey {
 /// [`SeenKey::chunk`] of a key the request has not seen in a chunk.
 pub(crate) const NO_CHUNK: ChunkId = ChunkId::MAX;
 
+/// A request's policy rank with the manager (its id) and cache generation that drew it.
+///
+/// vLLM's LRU keeps a request's rank on the context apart from its manager's request state, so
+/// the rank outlives another manager's replacing of that state; a rank kept by its tag does
+/// the same (see [`RequestState::rank_tag`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankTag {
+    /// The id of the manager that drew the rank.
+    pub owner: u64,
+    /// Its cache generation then.
+    pub generation: u64,
+    /// The rank.
+    pub rank: u64,
+}
+
 /// Per-request state, tagged with the manager and cache generation it belongs to.
 #[derive(Debug, Clone)]
 pub struct RequestState {
@@ -149,6 +164,32 @@ impl RequestState {
     /// then failed: as if the call had never made it.
     pub fn disown(&mut self) {
         self.owner = 0;
+    }
+
+    /// The policy's rank for this request (LRU's, once drawn), tagged with the manager and
+    /// cache generation it belongs to. Kept beside the state (on the request context) it lets
+    /// a fresh state of the same manager and generation take the rank up again (see
+    /// [`adopt_rank`](Self::adopt_rank)).
+    #[must_use]
+    pub fn rank_tag(&self) -> Option<RankTag> {
+        self.rank.map(|rank| RankTag {
+            owner: self.owner,
+            generation: self.generation,
+            rank,
+        })
+    }
+
+    /// Take up `tag`'s rank if it was drawn by this state's manager in its cache generation
+    /// and this state has none yet; whether it did.
+    pub fn adopt_rank(&mut self, tag: RankTag) -> bool {
+        let fits = self.rank.is_none()
+            && self.owner != 0
+            && tag.owner == self.owner
+            && tag.generation == self.generation;
+        if fits {
+            self.rank = Some(tag.rank);
+        }
+        fits
     }
 
     /// Whether `on_request_finished` has run for this state.

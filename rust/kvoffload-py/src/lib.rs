@@ -17,6 +17,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::ManagerCore>()?;
     m.add_class::<request::RequestState>()?;
+    m.add_class::<request::RequestRankCell>()?;
     m.add_class::<host::HostMemory>()?;
     m.add_class::<host::HostMemoryOwner>()?;
     m.add_class::<policy::PolicyCore>()?;

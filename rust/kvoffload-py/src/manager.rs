@@ -9,7 +9,7 @@ use crate::lists::new_list;
 use crate::liveness::Liveness;
 use crate::policy::external::PythonPolicy;
 use crate::policy::state::{state_dict, state_keys};
-use crate::request::{RequestState, StateLockError};
+use crate::request::{RequestRankCell, RequestState, StateLockError};
 use kvoffload_core::recycle::{self, Recycled};
 use kvoffload_core::{self as core, Lookup, Manager, ManagerConfig, PolicyKind};
 use numpy::{PyArray1, PyArrayMethods};
@@ -402,6 +402,33 @@ const DETACH_MIN_KEYS: usize = 128;
 /// thread's `reset_cache` between that check and this call's lock: the GIL no longer makes the
 /// two one step). The renewed state is what `request_state` returns after a reset; the stale one
 /// carries the old generation's LRU rank, which the new generation has not issued.
+/// The context's rank cell (a new one when it has none), its rank taken up by the fresh
+/// `state` when the same manager drew it in the same cache generation.
+fn rank_cell(
+    py: Python<'_>,
+    ctx: &Context<'_>,
+    state: &mut core::RequestState,
+) -> PyResult<Py<RequestRankCell>> {
+    if let Some(obj) = ctx.get_state(&py.get_type::<RequestRankCell>())? {
+        if let Ok(cell) = obj.cast_into::<RequestRankCell>() {
+            if let Some(tag) = cell.get().tag() {
+                state.adopt_rank(tag);
+            }
+            return Ok(cell.unbind());
+        }
+    }
+    Py::new(py, RequestRankCell::new())
+}
+
+/// Put a fresh request state on the context, after its rank cell (when it has one). A
+/// context's `set_state` may raise: this runs before the call changes anything.
+fn install(ctx: &Context<'_>, state: &Bound<'_, RequestState>) -> PyResult<()> {
+    if let Some(cell) = &state.get().rank_cell {
+        ctx.set_state(cell.bind(state.py()).as_any())?;
+    }
+    ctx.set_state(state.as_any())
+}
+
 fn renew_if_stale(m: &Core, s: &mut core::RequestState) {
     if !m.is_current(s) {
         *s = m.new_request_state();
@@ -841,8 +868,13 @@ impl ManagerCore {
                 }
             }
         }
-        let fresh = self.lock(py)?.new_request_state();
-        Ok((Bound::new(py, RequestState::new(fresh))?, true))
+        let mut fresh = self.lock(py)?.new_request_state();
+        let cell = if self.reads_positions {
+            Some(rank_cell(py, ctx, &mut fresh)?)
+        } else {
+            None
+        };
+        Ok((Bound::new(py, RequestState::new(fresh, cell))?, true))
     }
 
     /// The keys of `keys` whose residency is `resident`, in order.
@@ -1241,10 +1273,11 @@ impl ManagerCore {
         let positions = self.positions(&ctx, &keys, state.get())?;
         // Installed first: a context's `set_state` may raise, and must do so before any change.
         if fresh {
-            ctx.set_state(state.as_any())?;
+            install(&ctx, &state)?;
         }
         let slices = keys.slices();
         let addrs = addresses(keys.objs());
+        let st = state.get();
         let ((chunks, mark, added), raised): ((_, _, Recycled<u32>), _) = self.policy_call(
             py,
             Some(ctx.object()),
@@ -1253,8 +1286,9 @@ impl ManagerCore {
             |m, s| {
                 let s = s.expect("state given");
                 renew_if_stale(m, s);
-                let mark = s.seen_keys().len();
+                let (mark, rank) = (s.seen_keys().len(), s.rank_tag());
                 let chunks = m.prepare_load(slices, positions.as_deref().map(Vec::as_slice), s);
+                st.keep_rank(rank, s);
                 if let Ok(chunks) = &chunks {
                     for (&addr, &c) in addrs.iter().zip(chunks) {
                         m.memo.put(addr, c);
@@ -1353,7 +1387,7 @@ impl ManagerCore {
         // Installed first: a context's `set_state` may raise, and must do so before any change
         // (after it, the caller would never see the keys to store: pending chunks stranded).
         if fresh {
-            ctx.set_state(state.as_any())?;
+            install(&ctx, &state)?;
         }
         let slices = keys.slices();
         // The stored keys' objects go into the table by the core call. Attached, it takes a
@@ -1366,6 +1400,7 @@ impl ManagerCore {
         } else {
             Vec::new().into()
         };
+        let st = state.get();
         let body = |m: &mut Core,
                     s: Option<&mut core::RequestState>,
                     obj: &mut dyn FnMut(usize) -> Option<Py<PyBytes>>| {
@@ -1374,10 +1409,11 @@ impl ManagerCore {
             }
             let s = s.expect("state given");
             renew_if_stale(m, s);
-            let mark = s.seen_keys().len();
+            let (mark, rank) = (s.seen_keys().len(), s.rank_tag());
             let outcome = m.queuing(None, |m| {
                 m.prepare_store(slices, positions.as_deref().map(Vec::as_slice), s)
             });
+            st.keep_rank(rank, s);
             let mut objs = Recycled::with_capacity(0);
             let mut dropped = Vec::new();
             match &outcome {
@@ -1455,7 +1491,7 @@ impl ManagerCore {
         let ctx = Context::new(ctx)?;
         let (state, fresh) = self.request_state(py, &ctx)?;
         if fresh {
-            ctx.set_state(state.as_any())?;
+            install(&ctx, &state)?;
         }
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! Per-request state stored on the request context under its class (``ctx.set_state(state)``),
-//! so it lives and dies with the request: `RequestState` (a `ManagerCore`'s) and
-//! `PolicyRequestRank` (a `PolicyCore`'s LRU rank).
+//! so it lives and dies with the request: `RequestState` (a `ManagerCore`'s), `RequestRankCell`
+//! (a `ManagerCore`'s LRU rank) and `PolicyRequestRank` (a `PolicyCore`'s LRU rank).
 
 use kvoffload_core as core;
 use pyo3::prelude::*;
@@ -31,6 +31,8 @@ pub(crate) struct RequestState {
     holder: AtomicUsize,
     /// [`FORK_EPOCH`] when `holder` was set.
     holder_epoch: AtomicU64,
+    /// With an LRU manager: the context's rank cell, where a rank this state draws is kept.
+    pub(crate) rank_cell: Option<Py<RequestRankCell>>,
 }
 
 /// Why [`RequestState::lock_attached`] gave no guard.
@@ -44,13 +46,26 @@ pub(crate) enum StateLockError {
 }
 
 impl RequestState {
-    pub(crate) fn new(inner: core::RequestState) -> Self {
+    pub(crate) fn new(inner: core::RequestState, rank_cell: Option<Py<RequestRankCell>>) -> Self {
         Self {
             inner: Mutex::new(inner),
             objs: Mutex::new(Vec::new()),
             cursor: AtomicIsize::new(0),
             holder: AtomicUsize::new(0),
             holder_epoch: AtomicU64::new(0),
+            rank_cell,
+        }
+    }
+
+    /// Keep in the context's rank cell the rank that a call drew for `s` (this state's core,
+    /// locked; `before`: its rank when the call began). No Python runs: a plain store.
+    #[inline]
+    pub(crate) fn keep_rank(&self, before: Option<core::RankTag>, s: &core::RequestState) {
+        if let Some(cell) = &self.rank_cell {
+            let after = s.rank_tag();
+            if after.is_some() && after != before {
+                cell.get().keep(after);
+            }
         }
     }
 
@@ -207,4 +222,46 @@ pub(crate) struct PolicyRequestRank {
     pub(crate) owner: u64,
     pub(crate) generation: u64,
     pub(crate) rank: u64,
+}
+
+/// A request's LRU rank as a `ManagerCore` drew it, tagged with the manager and its cache
+/// generation; kept on the request context apart from `RequestState`.
+///
+/// Another manager's call replaces the request state on a shared context but leaves this cell,
+/// so a fresh state of the manager that drew the rank takes it up again, as vLLM's LRU keeps
+/// its request rank apart from its manager's request state. A manager that draws a rank writes
+/// it here in place: nothing is set on the context after a call has changed anything.
+#[pyclass(frozen, module = "kvoffload._native")]
+pub(crate) struct RequestRankCell {
+    tag: Mutex<Option<core::RankTag>>,
+}
+
+impl RequestRankCell {
+    pub(crate) fn new() -> Self {
+        Self {
+            tag: Mutex::new(None),
+        }
+    }
+
+    /// The rank kept, if any (none in a cell poisoned by a panic, which no call makes).
+    pub(crate) fn tag(&self) -> Option<core::RankTag> {
+        self.tag.lock().map_or(None, |t| *t)
+    }
+
+    /// Keep `tag`, replacing the rank kept before.
+    pub(crate) fn keep(&self, tag: Option<core::RankTag>) {
+        if let Ok(mut t) = self.tag.lock() {
+            *t = tag;
+        }
+    }
+}
+
+#[pymethods]
+impl RequestRankCell {
+    fn __repr__(&self) -> String {
+        match self.tag() {
+            Some(t) => format!("<RequestRankCell rank={}>", t.rank),
+            None => "<RequestRankCell (no rank)>".into(),
+        }
+    }
 }
