@@ -17,7 +17,7 @@ use crate::pool::{ChunkId, ChunkPool};
 use crate::recycle;
 use crate::request::{RequestState, INSERTED, REPORTED, REUSED};
 use crate::sketch::{sketch_hash, FrequencySketch};
-use crate::table::{ChunkState, ChunkTable, Slots, MAX_KEY_LEN};
+use crate::table::{storable_len, ChunkState, ChunkTable, Slots, MAX_KEY_LEN};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -1678,7 +1678,7 @@ fn check_position_range(p: &[Option<i64>]) -> Result<()> {
 /// Reject an offer with a key longer than a slot can hold ([`MAX_KEY_LEN`]; `lens`: the keys'
 /// lengths, in order).
 fn check_key_lengths(mut lens: impl Iterator<Item = usize>) -> Result<()> {
-    match lens.position(|n| n > MAX_KEY_LEN) {
+    match lens.position(|n| !storable_len(n)) {
         Some(i) => Err(CoreError::InvalidArgument(format!(
             "key {i} is too long to store ({MAX_KEY_LEN} bytes at most)"
         ))),

@@ -68,6 +68,14 @@ pub const INLINE_KEY: usize = 40;
 /// Longest key a slot can hold: it keeps the length in 32 bits (so do ARC's ghost entries).
 /// The manager refuses longer keys before it changes anything.
 pub const MAX_KEY_LEN: usize = u32::MAX as usize;
+
+/// Whether a key of `len` bytes can be stored (at most [`MAX_KEY_LEN`]): the one test of the
+/// limit, for the manager's offers and the built-in policies run under vLLM's manager alike.
+#[must_use]
+#[inline]
+pub const fn storable_len(len: usize) -> bool {
+    len <= MAX_KEY_LEN
+}
 const WORDS: usize = INLINE_KEY / 8;
 
 /// State codes (the low 32 bits of a state word).

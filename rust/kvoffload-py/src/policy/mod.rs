@@ -21,7 +21,7 @@ use crate::errors::{invalid_key, poisoned, raise, to_py};
 use crate::keys::{one_key, Context, Keys};
 use crate::request::PolicyRequestRank;
 use kvoffload_core::policy::{Access, FinishedKey, RequestRank};
-use kvoffload_core::table::MAX_KEY_LEN;
+use kvoffload_core::table::{storable_len, MAX_KEY_LEN};
 use kvoffload_core::{hash_key, ChunkId, ChunkState, PolicyKind, Slots};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -166,7 +166,7 @@ impl PolicyCore {
     ) -> PyResult<()> {
         one_key(key)?;
         let key_obj = key.cast::<PyBytes>()?;
-        if key_obj.as_bytes().len() > MAX_KEY_LEN {
+        if !storable_len(key_obj.as_bytes().len()) {
             return Err(raise(
                 py,
                 "InvalidArgumentError",
