@@ -325,6 +325,25 @@ def test_request_state_is_per_manager(make_manager: MakeManager) -> None:
     m2.check_invariants()
 
 
+def test_an_lru_rank_outlives_another_managers_state_on_the_context(
+    make_manager: MakeManager,
+) -> None:
+    # Managers sharing a context replace each other's request state on it, but LRU keeps the
+    # request's rank apart (as vLLM's does): the LRU manager takes its rank up again instead of
+    # drawing a new one. A rank another LRU manager drew since is not taken up.
+    lru = make_manager(8)
+    req = request("a", {k(1): 16, k(2): 32, k(4): 48})
+    store(lru, req, 1)  # req rank 0; 1 -> (0, -16)
+    store(lru, ReqContext(req_id="x"), 50)  # x rank 1; 50 -> (2, 0)
+    store(make_manager(8, cache_policy="arc"), req, 9)  # its state replaces lru's on req
+    store(lru, req, 2)  # fresh state, rank 0 again: 2 -> (0, -32)
+    assert lru_state(lru) == ({k(1): (0, -16), k(50): (2, 0), k(2): (0, -32)}, 3)
+    store(make_manager(8), req, 3)  # another LRU manager's state and rank
+    store(lru, req, 4)  # req rank 3: 4 -> (3, -48)
+    assert lru_state(lru)[0][k(4)] == (3, -48)
+    lru.check_invariants()
+
+
 class DuckContext:
     """Only the three methods the manager may use; no other attributes. The keys it is asked
     positions for are appended to ``asked`` when one is given."""
