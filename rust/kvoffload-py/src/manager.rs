@@ -398,10 +398,6 @@ fn settle<T>(py: Python<'_>, result: core::Result<T>, raised: Option<PyErr>) -> 
 /// another thread got it can cost a whole switch interval.
 const DETACH_MIN_KEYS: usize = 128;
 
-/// Renew `state` if a reset made it stale after [`ManagerCore::request_state`] checked it (another
-/// thread's `reset_cache` between that check and this call's lock: the GIL no longer makes the
-/// two one step). The renewed state is what `request_state` returns after a reset; the stale one
-/// carries the old generation's LRU rank, which the new generation has not issued.
 /// The context's rank cell (a new one when it has none), its rank taken up by the fresh
 /// `state` when the same manager drew it in the same cache generation.
 fn rank_cell(
@@ -429,9 +425,17 @@ fn install(ctx: &Context<'_>, state: &Bound<'_, RequestState>) -> PyResult<()> {
     ctx.set_state(state.as_any())
 }
 
-fn renew_if_stale(m: &Core, s: &mut core::RequestState) {
+/// Renew `state` if a reset made it stale after [`ManagerCore::request_state`] checked it (another
+/// thread's `reset_cache` between that check and this call's lock: the GIL no longer makes the
+/// two one step). The renewed state is what `request_state` returns after a reset; the stale one
+/// carries the old generation's LRU rank, which the new generation has not issued. Like a fresh
+/// state, the renewed one takes up the rank in the context's rank cell (`st`'s) if it fits.
+fn renew_if_stale(m: &Core, s: &mut core::RequestState, st: &RequestState) {
     if !m.is_current(s) {
         *s = m.new_request_state();
+        if let Some(tag) = st.rank_cell.as_ref().and_then(|cell| cell.get().tag()) {
+            s.adopt_rank(tag);
+        }
     }
 }
 
@@ -1285,7 +1289,7 @@ impl ManagerCore {
             Some(state.get()),
             |m, s| {
                 let s = s.expect("state given");
-                renew_if_stale(m, s);
+                renew_if_stale(m, s, st);
                 let (mark, rank) = (s.seen_keys().len(), s.rank_tag());
                 let chunks = m.prepare_load(slices, positions.as_deref().map(Vec::as_slice), s);
                 st.keep_rank(rank, s);
@@ -1408,7 +1412,7 @@ impl ManagerCore {
                 m.set_clock(now);
             }
             let s = s.expect("state given");
-            renew_if_stale(m, s);
+            renew_if_stale(m, s, st);
             let (mark, rank) = (s.seen_keys().len(), s.rank_tag());
             let outcome = m.queuing(None, |m| {
                 m.prepare_store(slices, positions.as_deref().map(Vec::as_slice), s)
