@@ -56,6 +56,15 @@ def test_eight_threads_share_one_manager(policy: str, long_prompts: bool) -> Non
     assert all(ops["prepare_store"] > 0 for ops in r.ops)
 
 
+@pytest.mark.parametrize("tier", ["arc", "lru"])
+def test_eight_threads_share_two_managers_on_each_requests_context(tier: str) -> None:
+    r = stress.run("lru", threads=THREADS, seconds=SECONDS / 4, tier=tier)
+    check(r)
+    assert r.checks > 0
+    assert all(ops["tier.prepare_store"] > 0 for ops in r.ops)
+    assert all(ops["prepare_store"] > ops["tier.prepare_store"] for ops in r.ops)
+
+
 def test_threads_share_one_host_pool() -> None:
     """Jobs and direct copies from 8 threads, each on its own chunks: every byte lands."""
     r = stress.run(None, threads=THREADS, seconds=min(SECONDS / 2, 2.0), host=True)

@@ -246,6 +246,9 @@ python -X gil=0 tools/stress.py --seconds "$seconds" --threads "$threads" \
 step "tools/stress.py --long-prompts: $threads threads, $seconds s (calls of 130-200 keys)"
 python -X gil=0 tools/stress.py --seconds "$seconds" --threads "$threads" --long-prompts \
   || status=1
+step "tools/stress.py --tier arc: $threads threads, $seconds s (lru and a second tier, arc)"
+python -X gil=0 tools/stress.py --seconds "$seconds" --threads "$threads" --tier arc \
+  || status=1
 
 if [ "$suite" = 1 ]; then
   # vLLM's kv_offload sources (cached); without them the vLLM tests skip.

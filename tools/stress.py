@@ -15,6 +15,10 @@ Per request: ``on_new_request``, ``lookup`` (two keys), ``lookup_prefix``, ``pre
 of the rest, ``on_request_finished``; now and then ``get_stats`` and ``take_events``, and thread
 0 rarely ``reset_cache``. With ``--host`` each thread also, every few requests, submits a store
 and a load job on its own HostPool chunks, waits, gathers and scatters, and checks every byte.
+With ``--tier POLICY`` the threads share a second manager too, which every request also uses on
+its context before it finishes (``lookup_prefix`` and a store), as a second offloading tier
+would: its state replaces the first manager's on the context, so the first manager's next store
+makes a fresh one (taking up its LRU rank again).
 
 The only exceptions allowed are ``KeyStateError`` from ``prepare_load`` (another thread evicted
 the keys since this thread's ``lookup_prefix``: a legal outcome that changes nothing) and from
@@ -109,8 +113,11 @@ class Worker:
         long_prompts: bool = False,
         host: HostRounds | None = None,
         host_every: int = 1,
+        tier: Any | None = None,
     ) -> None:
         self.m, self.tid, self.deadline = m, tid, deadline
+        #: A second manager every request also uses, on the same context.
+        self.tier = tier
         #: Prompts of 128+ keys: those calls release the GIL while the core works.
         self.long_prompts = long_prompts
         self.host, self.host_every = host, host_every
@@ -165,16 +172,29 @@ class Worker:
                     self.call("complete_load", m.complete_load, keys[:hits], ctx)
                 except KeyStateError:
                     self.reset_races += 1  # another thread reset the cache since prepare_load
-        out = self.call("prepare_store", m.prepare_store, keys[hits:], ctx)
-        if out is not None and out.keys_to_store:
-            success = rng.random() < 0.9
-            self.call("complete_store", m.complete_store, out.keys_to_store, ctx, success)
+        self.store(m, keys[hits:], ctx, "")
+        if self.tier is not None:
+            # The second tier replaces the first's state on the context; the first's next
+            # store (a repeat offer: pending or stored keys, or refused ones offered again)
+            # makes it a fresh one, which finishes.
+            tier_hits = self.call("tier.lookup_prefix", self.tier.lookup_prefix, keys, ctx)
+            self.store(self.tier, keys[tier_hits:], ctx, "tier.")
+            self.call("tier.on_request_finished", self.tier.on_request_finished, ctx)
+            self.store(m, keys[hits:], ctx, "")
         self.call("on_request_finished", m.on_request_finished, ctx)
         if self.tid == 0 and rng.random() < 0.001:
             self.call("reset_cache", m.reset_cache)
         if rng.random() < 0.05:
             self.call("get_stats", m.get_stats)
             self.call("take_events", lambda: list(m.take_events()))
+
+    def store(self, m: Any, keys: list[bytes], ctx: ReqContext, prefix: str) -> None:
+        """Offer ``keys`` to ``m`` and complete what it takes (10% as failed writes)."""
+        out = self.call(prefix + "prepare_store", m.prepare_store, keys, ctx)
+        if out is not None and out.keys_to_store:
+            success = self.rng.random() < 0.9
+            name = prefix + "complete_store"
+            self.call(name, m.complete_store, out.keys_to_store, ctx, success)
 
     def run(self) -> None:
         """Requests (and host rounds) until the deadline; an exception ends the thread."""
@@ -209,6 +229,8 @@ class Report:
     host_rounds: int = 0
     #: One line (or traceback) per failure; empty when the run passed.
     failures: list[str] = field(default_factory=list)
+    #: The second tier's policy (None: no second tier).
+    tier: str | None = None
 
     @property
     def calls(self) -> int:
@@ -219,6 +241,8 @@ class Report:
         """The run in a few lines: totals, calls per thread, races, failures."""
         total: Counter[str] = sum(self.ops, Counter())
         what = self.policy or "host pool only"
+        if self.policy and self.tier:
+            what += f" + {self.tier} tier"
         if self.policy and self.long_prompts:
             what += " (long prompts)"
         lines = [
@@ -246,18 +270,21 @@ def run(
     long_prompts: bool = False,
     host: bool = False,
     host_every: int = 8,
+    tier: str | None = None,
 ) -> Report:
     """Run `threads` workers for `seconds` and report; never raises for what it finds.
 
-    The workers share a manager with `policy` (None: no manager) and, with `host`, a HostPool
-    (a round every `host_every` requests; every request when there is no manager). What went
-    wrong is in `Report.failures`.
+    The workers share a manager with `policy` (None: no manager), with `tier` a second manager of
+    that policy (see the module docs), and with `host` a HostPool (a round every `host_every`
+    requests; every request when there is no manager). What went wrong is in `Report.failures`.
     """
-    report = Report(policy, threads, seconds, long_prompts, _gil_enabled())
-    m = None
+    report = Report(policy, threads, seconds, long_prompts, _gil_enabled(), tier=tier)
+    m = second = None
     if policy is not None:
         chunks = NUM_CHUNKS * 16 if long_prompts else NUM_CHUNKS
         m = kvoffload.CPUOffloadingManager(chunks, cache_policy=policy, enable_events=True)
+        if tier is not None:
+            second = kvoffload.CPUOffloadingManager(chunks // 2, cache_policy=tier)
     pool = (
         HostPool(threads * HOST_CHUNKS, HOST_CHUNK_BYTES, num_threads=2, register_cuda=False)
         if host
@@ -274,6 +301,7 @@ def run(
             long_prompts,
             HostRounds(pool, tid) if pool is not None else None,
             host_every if m is not None else 1,
+            second,
         )
         for tid in range(threads)
     ]
@@ -285,6 +313,8 @@ def run(
             try:
                 while time.monotonic() < deadline:
                     m.check_invariants()  # one call, under the manager's lock: a consistent view
+                    if second is not None:
+                        second.check_invariants()
                     report.checks += 1
             except BaseException:
                 check_trace.append(traceback.format_exc())
@@ -319,11 +349,13 @@ def run(
         report.reset_races = sum(w.reset_races for w in workers)
         if hung:
             return report  # the manager may be mid-call: its accounting is not final
-        if m is not None:
+        for name, mgr in (("", m), ("the second tier's ", second)):
+            if mgr is None:
+                continue
             try:
-                check_accounting(m)
+                check_accounting(mgr)
             except BaseException:
-                report.failures.append(f"accounting after the run: {traceback.format_exc()}")
+                report.failures.append(f"{name}accounting after the run: {traceback.format_exc()}")
         if pool is not None:
             report.host_rounds = sum(w.host.rounds for w in workers if w.host is not None)
             finished = pool.get_finished()
@@ -348,6 +380,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--policies", nargs="+", default=["lru"])
     p.add_argument("--long-prompts", action="store_true", help="130-200 keys per request")
+    p.add_argument("--tier", help="a second manager of this policy on the same contexts")
     p.add_argument(
         "--host", action=argparse.BooleanOptionalAction, default=True, help="HostPool rounds too"
     )
@@ -361,6 +394,7 @@ def main() -> None:
             seconds=a.seconds,
             long_prompts=a.long_prompts,
             host=a.host,
+            tier=a.tier,
         )
         print(r.summary(), flush=True)
         failed |= bool(r.failures)
