@@ -6,6 +6,7 @@ import importlib.util
 import subprocess
 import sys
 import sysconfig
+import types
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _load_tool():
+def _load_tool() -> types.ModuleType:
     spec = importlib.util.spec_from_file_location("ab_tool", TOOL)
     assert spec is not None
     assert spec.loader is not None

@@ -31,7 +31,7 @@ def test_positions_are_recorded_as_a_scheduler_records_them(op: str) -> None:
     # Distinct within a request, rising across its rounds; none without `positions`.
     cache = FilledCache("rust", "lru", 256, batch=4, positions=True)
     rounds = cache.prepare(op, 2 * ROUNDS_PER_REQUEST)
-    by_ctx: dict[int, list[int]] = {}
+    by_ctx: dict[int, list[int | None]] = {}
     for keys, ctx in rounds:
         by_ctx.setdefault(id(ctx), []).extend(ctx.get_offload_key_position(k) for k in keys)
     expected = [BLOCK_TOKENS * (j + 1) for j in range(4 * ROUNDS_PER_REQUEST)]

@@ -89,7 +89,9 @@ def test_the_eviction_order_tells_orders_that_no_answer_showed_apart() -> None:
         m = CPUOffloadingManager(4)
         ctx = ReqContext("r")
         keys = [make_offload_key(b"%031d" % i, 0) for i in range(4)]
-        m.complete_store(m.prepare_store(keys, ctx).keys_to_store, ctx)
+        out = m.prepare_store(keys, ctx)
+        assert out is not None
+        m.complete_store(out.keys_to_store, ctx)
         for i in order:
             m.touch([keys[i]], ReqContext(f"t{i}"))
         digests.append(_eviction_order(m, 4, ReqContext))

@@ -175,7 +175,7 @@ def _broken_reference() -> _driver.ImplSpec:
     """The reference with one planted bug: a failed store is completed as a success."""
     from kvoffload.reference import CPUOffloadingManager
 
-    class Broken(CPUOffloadingManager):  # type: ignore[misc]
+    class Broken(CPUOffloadingManager):
         def complete_store(self, keys: Any, req_context: Any, success: bool = True) -> None:
             super().complete_store(keys, req_context, True)
 

@@ -143,7 +143,9 @@ class Case:
     policies: tuple[str, ...] = ("lru", "arc")  # ARC reads positions only when finishing
 
 
-def _with_position(ctx_name: str, key: bytes, position: object, call: Callable[[World], Any]):
+def _with_position(
+    ctx_name: str, key: bytes, position: object, call: Callable[[World], Any]
+) -> Callable[[World], Any]:
     """A call made while ``ctx``'s position for ``key`` is not an int (restored afterwards)."""
 
     def run(w: World) -> Any:
@@ -308,7 +310,7 @@ def test_positions_read_only_at_finish_without_lru(make_manager: MakeManager, po
     m = make_manager(4, cache_policy=policy)
     ctx = ReqContext(req_id="r")
     m.on_new_request(ctx)
-    ctx.set_offload_key_position(k(1), 1.5)
+    ctx.set_offload_key_position(k(1), 1.5)  # type: ignore[arg-type]
     ctx.set_offload_key_position(k(2), 2**63)
     out = m.prepare_store(ks(1, 2), ctx)
     assert out is not None

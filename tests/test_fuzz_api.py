@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -30,7 +30,7 @@ from _helpers import FUZZ_CALLS, FUZZ_KEYS, fuzz_world
 from kvoffload import KVOffloadError, ReqContext, make_offload_key
 
 EXAMPLES = int(os.environ.get("KVOFFLOAD_FUZZ_EXAMPLES", "2500"))
-KEYS = FUZZ_KEYS
+KEYS: Sequence[bytes] = FUZZ_KEYS
 
 
 class Injected(Exception):
@@ -81,7 +81,7 @@ class EvilKey(bytes):
 
     def __eq__(self, other: object) -> bool:
         self.hostile()
-        return bytes.__eq__(self, other)  # type: ignore[operator]
+        return bytes.__eq__(self, other)
 
     def __ne__(self, other: object) -> bool:
         return not self == other
@@ -137,7 +137,7 @@ junk = st.one_of(
     st.floats(allow_nan=True),
     st.text(max_size=3),
     st.builds(bytearray, st.binary(max_size=8)),
-    st.builds(memoryview, st.binary(max_size=8)),
+    st.builds(memoryview, st.binary(max_size=8)),  # type: ignore[arg-type]
     st.just(object()),
 )
 
@@ -307,8 +307,9 @@ def test_callbacks_reenter_or_interrupt(
     keys = data.draw(st.lists(st.sampled_from(KEYS), max_size=6, unique=True), "keys")
     for i in data.draw(st.sets(st.integers(0, 5)), "evil"):
         if i < len(keys):
-            keys[i] = EvilKey(keys[i])
-            keys[i].hostile = hostile
+            evil = EvilKey(keys[i])
+            evil.hostile = hostile
+            keys[i] = evil
     if not evil_context:
         for key in keys:
             ctx.set_offload_key_position(key, 7)  # an evil key's hash runs on every lookup

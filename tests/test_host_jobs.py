@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from kvoffload import (
+    CPULoadStoreSpec,
     CPUOffloadingManager,
     HostPool,
     InvalidArgumentError,
@@ -304,6 +305,7 @@ def test_replay_with_eviction_churn(policy: str) -> None:
         if out is not None and out.keys_to_store:
             counts["evicted"] += len(out.evicted_keys)
             staging = np.stack([content(k) for k in out.keys_to_store])  # only the job holds it
+            assert isinstance(out.store_spec, CPULoadStoreSpec)
             chunk_ids = [int(c) for c in out.store_spec.block_ids]
             pool.submit_store(next_job, staging, range(len(chunk_ids)), chunk_ids)
             roll = rng.random()

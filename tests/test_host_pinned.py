@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,7 @@ class FakeCudart:
         self.cudaHostRegister = register
         self.cudaHostUnregister = unregister
         self.cudaGetDeviceCount = count
-        self.cudaGetErrorString = error_string
+        self.cudaGetErrorString: Callable[[int], bytes | None] = error_string
 
 
 def test_cuda_registration_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:

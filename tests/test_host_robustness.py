@@ -96,8 +96,8 @@ VALID: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
 )
 def test_one_bad_argument_in_a_valid_call(pool: Any, call: str, position: int, value: Any) -> None:
     """A valid call with one argument replaced by junk: a kvoffload error or a valid call."""
-    args, kwargs = VALID[call]
-    args = list(args)
+    valid_args, kwargs = VALID[call]
+    args = list(valid_args)
     names = list(kwargs)
     if position < len(args):
         args[position] = value

@@ -26,7 +26,7 @@ def _answer(out: object) -> object:
 def test_large_arc_matches_the_reference() -> None:
     rng = random.Random(7)
     keys = [rng.randbytes(32) + bytes(4) for _ in range(2 * CHUNKS)]
-    managers = [
+    managers: list[kvoffload.CPUOffloadingManager | ref.CPUOffloadingManager] = [
         kvoffload.CPUOffloadingManager(CHUNKS, cache_policy="arc"),
         ref.CPUOffloadingManager(CHUNKS, cache_policy="arc"),
     ]

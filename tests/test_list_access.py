@@ -56,6 +56,7 @@ def _store_round(keys: list[bytes]) -> list[object]:
         batch = keys[lo : lo + 4]
         out = m.prepare_store(batch, ctx)
         assert out is not None
+        assert isinstance(out.store_spec, kvoffload.CPULoadStoreSpec)
         seen.append(
             (
                 list(out.keys_to_store),
@@ -64,7 +65,7 @@ def _store_round(keys: list[bytes]) -> list[object]:
                 [k is b for k, b in zip(out.keys_to_store, batch, strict=False)],
             )
         )
-        m.complete_store(tuple(out.keys_to_store))
+        m.complete_store(tuple(out.keys_to_store), None)
         found = [m.lookup(k, ctx) for k in batch]
         seen.append(found)
         resident = [k for k, r in zip(batch, found, strict=True) if r is kvoffload.LookupResult.HIT]
@@ -72,12 +73,10 @@ def _store_round(keys: list[bytes]) -> list[object]:
         if resident:
             spec = m.prepare_load(tuple(resident), ctx)
             seen.append(spec.chunk_ids.tolist())
-            m.complete_load(resident)
-        m.touch(list(batch))
-        m.touch(tuple(batch[:2]))
-    seen.append(
-        [(sorted(e.keys), e.removed) for e in m.take_events()]  # type: ignore[attr-defined]
-    )
+            m.complete_load(resident, None)
+        m.touch(list(batch), None)
+        m.touch(tuple(batch[:2]), None)
+    seen.append([(sorted(e.keys), e.removed) for e in m.take_events()])
     m.check_invariants()
     return seen
 

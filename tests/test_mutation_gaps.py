@@ -17,6 +17,7 @@ import pytest
 from _helpers import OldestFirst, k
 from kvoffload import CPUOffloadingManager, LookupResult, ReqContext, _native
 from kvoffload.errors import InvalidArgumentError, InvalidKeyError, KeyStateError
+from kvoffload.manager import _ShadowedManager
 from kvoffload.policies import ChunkStatus
 from kvoffload.reference import CPUOffloadingManager as ReferenceManager
 from kvoffload.reference.lru import LruPolicy
@@ -125,7 +126,7 @@ def test_contended_complete_load_is_all_or_nothing() -> None:
 
     def hold() -> None:
         while not stop.is_set():
-            m.touch(big)
+            m.touch(big, None)
 
     holder = threading.Thread(target=hold)
     holder.start()
@@ -137,10 +138,10 @@ def test_contended_complete_load_is_all_or_nothing() -> None:
             time.sleep(0.0005)  # lets the holder take the GIL, and from it the lock
             t0 = time.perf_counter()
             with pytest.raises(KeyStateError):
-                m.complete_load([a, absent])
+                m.complete_load([a, absent], None)
             # A call that waited for the holder's (milliseconds) found the lock taken.
             waited += time.perf_counter() - t0 > 1e-3
-            m.complete_load([a, long_key])
+            m.complete_load([a, long_key], None)
     finally:
         stop.set()
         holder.join(30)
@@ -148,10 +149,10 @@ def test_contended_complete_load_is_all_or_nothing() -> None:
     assert waited > 0, "no call found the manager's lock taken"
     # Each of the rounds dropped one pin of each key, no more: the rest are all there.
     for _ in range(pins - rounds):
-        m.complete_load([a, long_key])
+        m.complete_load([a, long_key], None)
     for one in (a, long_key):
         with pytest.raises(KeyStateError):
-            m.complete_load([one])
+            m.complete_load([one], None)
 
 
 def test_lookup_of_a_long_key_asks_the_writer() -> None:
@@ -184,6 +185,7 @@ def test_shadow_counts_are_the_scheduler_s_lookups_and_hits() -> None:
     restarting the lookups only.
     """
     m = CPUOffloadingManager(8, cache_policy="lru", shadow_policies=["fifo"])
+    assert isinstance(m, _ShadowedManager)
     ctx = ReqContext(req_id="r")
     a, b, c = k(1), k(2), k(3)
     out = m.prepare_store([a, b], ctx)

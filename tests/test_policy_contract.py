@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
 import pytest
 
@@ -20,7 +20,13 @@ from kvoffload._common import BUILTIN_POLICIES
 from kvoffload.policies import ChunkStatus
 from kvoffload.reference.manager import _BUILTIN
 
-KEYS = [make_offload_key(i.to_bytes(2, "big"), 0) for i in range(48)]
+KEYS: list[bytes] = [make_offload_key(i.to_bytes(2, "big"), 0) for i in range(48)]
+
+
+class _Inspectable(Protocol):
+    """What every built-in reference policy has beyond ``CachePolicy``."""
+
+    def state(self) -> dict[str, Any]: ...
 
 
 def snapshot(m: Any) -> tuple[Any, ...]:
@@ -123,10 +129,10 @@ def test_a_reference_policy_refuses_what_it_cannot_evict_and_changes_nothing(pol
     p.mark_non_evictable(KEYS[0])  # the oldest is pinned
     statuses[0].ref_cnt = 1
     p.touch(KEYS[2:4], ctx)
-    before = p.state()
+    before = cast(_Inspectable, p).state()
     # Ready: KEYS[1:5]; protected: two of them.
     assert p.evict(3, {KEYS[1], KEYS[4]}) is None
-    assert p.state() == before
+    assert cast(_Inspectable, p).state() == before
     p.check_invariants()
     victims = p.evict(2, {KEYS[1], KEYS[4]})
     assert victims is not None

@@ -18,7 +18,7 @@ import random
 import re
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -289,7 +289,7 @@ def test_a_registered_name_does_not_read_the_module_path() -> None:
     # As in vLLM's factory: a registered name wins, whatever the path.
     for path in ("no.such.module", "", 123):
         assert CachePolicyFactory.get_cache_policy_cls("fifo", path).__name__ == "FifoPolicy"  # type: ignore[arg-type]
-        assert CPUOffloadingManager(2, cache_policy="arc", cache_policy_module_path=path)
+        assert CPUOffloadingManager(2, cache_policy="arc", cache_policy_module_path=path)  # type: ignore[arg-type]
 
 
 def test_chunk_status_matches_vllms_meaning() -> None:
@@ -658,6 +658,7 @@ def test_both_managers_undo_a_store_whose_insert_raises(failing_insert: int) -> 
         m.complete_store(new, ctx)
         m.on_request_finished(ctx)
         _policy_agrees(m)
+        assert isinstance(out.store_spec, CPULoadStoreSpec)
         observed += [list(out.store_spec.chunk_ids), _snapshot(m), repr(m.get_stats())]
         seen.append(observed)
     assert seen[0] == seen[1]
@@ -705,6 +706,7 @@ def _outcome(call: Any) -> tuple[Any, ...]:
     if isinstance(out, CPULoadStoreSpec):
         return ("ok", list(out.chunk_ids))
     if isinstance(out, PrepareStoreOutput):
+        assert isinstance(out.store_spec, CPULoadStoreSpec)
         return ("ok", out.keys_to_store, list(out.store_spec.chunk_ids), out.evicted_keys)
     return ("ok", out)
 
@@ -884,6 +886,7 @@ def test_both_managers_agree_under_a_randomly_failing_policy(seed: int) -> None:
         contexts = [ReqContext(req_id=str(i)) for i in range(3)]
         pins: list[tuple[bytes, ReqContext]] = []
         log: list[Any] = []
+        call: Callable[[], Any]
         for _ in range(300):
             if rng.random() < 0.4:
                 policy.fail_in, policy.skip = rng.choice(FLAKY_METHODS), rng.randrange(3)
@@ -955,6 +958,7 @@ def test_a_panic_exception_from_the_policy_is_undone_like_any_other(method: str)
     # PyO3 turns a PanicException it takes back into a Rust panic; unwinding through the core
     # it skipped the undo and poisoned the manager's lock for good.
     ends = []
+    call: Callable[[], object]
     for exc in (RuntimeError, _panic_exception()):
         m = _flaky_manager(3)
         policy = m.policy

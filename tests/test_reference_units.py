@@ -704,25 +704,25 @@ def _bad_position_in_store(m: CPUOffloadingManager, ctx: ReqContext) -> None:
 ILLEGAL: list[
     tuple[str, Callable[[CPUOffloadingManager, ReqContext], Any], type[KVOffloadError]]
 ] = [
-    ("lookup str key", lambda m, c: m.lookup("k", c), InvalidKeyError),
-    ("prepare_load int keys", lambda m, c: m.prepare_load(5, c), InvalidKeyError),
-    ("prepare_load str key", lambda m, c: m.prepare_load([key(1), "k"], c), InvalidKeyError),
-    ("prepare_load bytes", lambda m, c: m.prepare_load(key(1), c), InvalidKeyError),
+    ("lookup str key", lambda m, c: m.lookup("k", c), InvalidKeyError),  # type: ignore[arg-type]
+    ("prepare_load int keys", lambda m, c: m.prepare_load(5, c), InvalidKeyError),  # type: ignore[arg-type]
+    ("prepare_load str key", lambda m, c: m.prepare_load([key(1), "k"], c), InvalidKeyError),  # type: ignore[list-item]
+    ("prepare_load bytes", lambda m, c: m.prepare_load(key(1), c), InvalidKeyError),  # type: ignore[arg-type]
     ("prepare_load absent", lambda m, c: m.prepare_load([key(1), key(9)], c), KeyStateError),
     ("prepare_load pending", lambda m, c: m.prepare_load([key(2), key(3)], c), KeyStateError),
     ("complete_load ready", lambda m, c: m.complete_load([key(1), key(2)], c), KeyStateError),
     ("complete_load twice", lambda m, c: m.complete_load([key(1), key(1)], c), KeyStateError),
     ("complete_load pending", lambda m, c: m.complete_load([key(3)], c), KeyStateError),
-    ("complete_load None", lambda m, c: m.complete_load([None], c), InvalidKeyError),
+    ("complete_load None", lambda m, c: m.complete_load([None], c), InvalidKeyError),  # type: ignore[list-item]
     (
         "prepare_store dup",
         lambda m, c: m.prepare_store(keys(7, 8, 7), ReqContext("x")),
         DuplicateKeyError,
     ),
-    ("prepare_store None", lambda m, c: m.prepare_store(None, c), InvalidKeyError),
-    ("prepare_store bytearray", lambda m, c: m.prepare_store([bytearray(8)], c), InvalidKeyError),
-    ("complete_store int", lambda m, c: m.complete_store([key(3), 1], c), InvalidKeyError),
-    ("touch str", lambda m, c: m.touch(["a"], c), InvalidKeyError),
+    ("prepare_store None", lambda m, c: m.prepare_store(None, c), InvalidKeyError),  # type: ignore[arg-type]
+    ("prepare_store bytearray", lambda m, c: m.prepare_store([bytearray(8)], c), InvalidKeyError),  # type: ignore[list-item]
+    ("complete_store int", lambda m, c: m.complete_store([key(3), 1], c), InvalidKeyError),  # type: ignore[list-item]
+    ("touch str", lambda m, c: m.touch(["a"], c), InvalidKeyError),  # type: ignore[list-item]
     ("finished store of unseen", lambda m, c: m.prepare_store(keys(2, 4), c), RequestFinishedError),
     ("bad position", _bad_position, InvalidArgumentError),
     ("bad position in store", _bad_position_in_store, InvalidArgumentError),

@@ -163,7 +163,7 @@ def test_position_out_of_int64_range_is_rejected_without_change() -> None:
     ctx = kvoffload.ReqContext("r")
     key = b"k\x00\x00\x00\x00"
     for bad in (2**63, -(2**63), "7", 1.5):
-        ctx.set_offload_key_position(key, bad)
+        ctx.set_offload_key_position(key, bad)  # type: ignore[arg-type]
         with pytest.raises(InvalidArgumentError):
             m.prepare_store([key], ctx)
         assert m.resident() == {}

@@ -20,9 +20,16 @@ from kvoffload import (
     make_offload_key,
 )
 from kvoffload._common import BUILTIN_POLICIES
+from kvoffload.manager import _ShadowedManager
 from kvoffload.shadow import SHADOW_HITS, SHADOW_LOOKUPS, ShadowSet
 
 KEYS = [make_offload_key(i.to_bytes(4, "big"), 0) for i in range(64)]
+
+
+def _shadowed(m: CPUOffloadingManager) -> _ShadowedManager:
+    """``m``, made with shadow policies: the shadowed manager class."""
+    assert isinstance(m, _ShadowedManager)
+    return m
 
 
 def drive(m: CPUOffloadingManager, steps: int = 400, seed: int = 3) -> None:
@@ -51,7 +58,7 @@ def drive(m: CPUOffloadingManager, steps: int = 400, seed: int = 3) -> None:
 @pytest.mark.parametrize("policy", BUILTIN_POLICIES)
 def test_a_shadow_of_the_live_policy_matches_it(policy: str) -> None:
     # Transfers complete at once here, as in a shadow: the twin must agree call for call.
-    m = CPUOffloadingManager(12, cache_policy=policy, shadow_policies=[policy])
+    m = _shadowed(CPUOffloadingManager(12, cache_policy=policy, shadow_policies=[policy]))
     drive(m)
     live, shadow = m.shadow_report()
     assert (live.lookups, live.hits) == (shadow.lookups, shadow.hits)
@@ -61,7 +68,7 @@ def test_a_shadow_of_the_live_policy_matches_it(policy: str) -> None:
 
 
 def test_shadows_report_per_policy_and_restart_each_report() -> None:
-    m = CPUOffloadingManager(12, cache_policy="lru", shadow_policies=["fifo", "s3fifo"])
+    m = _shadowed(CPUOffloadingManager(12, cache_policy="lru", shadow_policies=["fifo", "s3fifo"]))
     drive(m)
     report = {(c.role, c.policy): c for c in m.shadow_report()}
     assert set(report) == {("live", "lru"), ("shadow", "fifo"), ("shadow", "s3fifo")}
@@ -80,7 +87,7 @@ def test_shadows_report_per_policy_and_restart_each_report() -> None:
 
 
 def test_failed_live_calls_do_not_reach_the_shadows() -> None:
-    m = CPUOffloadingManager(4, cache_policy="lru", shadow_policies=["arc"])
+    m = _shadowed(CPUOffloadingManager(4, cache_policy="lru", shadow_policies=["arc"]))
     ctx = ReqContext(req_id="x")
     out = m.prepare_store(KEYS[:2], ctx)
     assert out is not None
@@ -97,7 +104,7 @@ def test_bad_shadow_arguments_raise() -> None:
     with pytest.raises(UnsupportedPolicyError):
         CPUOffloadingManager(4, shadow_policies=["mru"])
     with pytest.raises(InvalidArgumentError):
-        CPUOffloadingManager(4, shadow_policies="arc")  # type: ignore[arg-type]
+        CPUOffloadingManager(4, shadow_policies="arc")
     plain = CPUOffloadingManager(4, shadow_policies=[])
     assert not hasattr(plain, "shadow_report")  # no shadows: the plain manager, no overhead
 
@@ -110,13 +117,13 @@ def test_a_str_of_shadow_policies_is_refused_for_what_it_is() -> None:
 
 def test_the_manager_refuses_a_str_of_shadow_policies_for_what_it_is() -> None:
     with pytest.raises(InvalidArgumentError, match="not a str"):
-        CPUOffloadingManager(4, shadow_policies="arc")  # type: ignore[arg-type]
+        CPUOffloadingManager(4, shadow_policies="arc")
 
 
 def test_counts_from_several_threads_add_up() -> None:
     # Lookups from several threads at once, with reports taken meanwhile: no count is lost, and
     # what the reports took plus what is left adds up to every lookup made.
-    m = CPUOffloadingManager(16, cache_policy="lru", shadow_policies=["fifo"])
+    m = _shadowed(CPUOffloadingManager(16, cache_policy="lru", shadow_policies=["fifo"]))
     ctx = ReqContext(req_id="r")
     out = m.prepare_store(KEYS[:8], ctx)
     assert out is not None
@@ -191,17 +198,17 @@ def _last_call_as_without_shadows(
     setup: Callable[[CPUOffloadingManager], ReqContext],
     last: Callable[[CPUOffloadingManager, ReqContext], Any],
     shadow_policy: str,
-) -> tuple[CPUOffloadingManager, CPUOffloadingManager, list[Any]]:
+) -> tuple[CPUOffloadingManager, _ShadowedManager, list[Any]]:
     """``setup`` then ``last`` on a plain manager and on its twin with one shadow.
 
     The last call must return the same answer on both and leave the same live state, and the
     shadow that cannot follow it must skip it (unchanged, counted once). Returns both managers
     and each one's context from ``setup``.
     """
-    plain, shadowed = make(), make(shadow_policies=[shadow_policy])
+    plain, shadowed = make(), _shadowed(make(shadow_policies=[shadow_policy]))
     contexts = [setup(plain), setup(shadowed)]
     assert _state(plain) == _state(shadowed)
-    shadow = shadowed._shadows.shadows[0].core  # type: ignore[attr-defined]
+    shadow = shadowed._shadows.shadows[0].core
     before = shadow.resident(), shadow.policy_state(), shadow.pool_state()
     answers = [last(plain, contexts[0]), last(shadowed, contexts[1])]
     assert answers[0] == answers[1]
@@ -302,17 +309,19 @@ def test_shadows_never_change_what_a_legal_call_does(policy: str) -> None:
     # included) on a plain manager and on one shadowed by every other built-in policy: every
     # answer, event, stats payload and state must be the same. The shadows, whose caches
     # differ, cannot follow some calls; those they skip.
-    made: list[CPUOffloadingManager] = []
+    made: list[_ShadowedManager] = []
 
     def make(**kwargs: Any) -> CPUOffloadingManager:
         others = [p for p in BUILTIN_POLICIES if p != policy]
         made.append(
-            _without_shadow_counters(CPUOffloadingManager(**kwargs, shadow_policies=others))
+            _shadowed(
+                _without_shadow_counters(CPUOffloadingManager(**kwargs, shadow_policies=others))
+            )
         )
         return made[-1]
 
     plain = _driver.impl_spec("rust")
-    specs = [plain, _driver.ImplSpec("rust+shadows", make, ReqContext, plain.state)]  # type: ignore[arg-type]
+    specs = [plain, _driver.ImplSpec("rust+shadows", make, ReqContext, plain.state)]
     for seed in range(30):
         result = _driver.run_sequence(specs, policy, 1 + seed % 2, seed, calls=250)
         if result.mismatch is not None:

@@ -37,12 +37,14 @@ def zipf_trace() -> ObjectTrace:
 
 
 @pytest.fixture(scope="module")
-def libcachesim_misses(zipf_trace: ObjectTrace, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def libcachesim_misses(
+    zipf_trace: ObjectTrace, tmp_path_factory: pytest.TempPathFactory
+) -> dict[tuple[str, int], int]:
     lcs = pytest.importorskip("libcachesim")
     assert lcs.__version__ == "0.3.5"
     path = Path(tmp_path_factory.mktemp("lcs")) / "zipf.oracleGeneral"
     write_object_trace(zipf_trace, path, "oracleGeneral")
-    misses = {}
+    misses: dict[tuple[str, int], int] = {}
     for name, cls in (("lru", lcs.LRU), ("arc", lcs.ARC)):
         for size in SIZES:
             reader = lcs.TraceReader(
@@ -67,21 +69,21 @@ def _misses(trace: ObjectTrace, size: int, policy: str, impl: str = "rust") -> i
 
 @pytest.mark.parametrize("size", SIZES)
 def test_lru_equals_libcachesim(
-    zipf_trace: ObjectTrace, libcachesim_misses: dict, size: int
+    zipf_trace: ObjectTrace, libcachesim_misses: dict[tuple[str, int], int], size: int
 ) -> None:
     assert _misses(zipf_trace, size, "lru") == libcachesim_misses["lru", size]
 
 
 @pytest.mark.parametrize("size", SIZES)
 def test_builtin_arc_paper_equals_libcachesim_on_the_rust_manager(
-    zipf_trace: ObjectTrace, libcachesim_misses: dict, size: int
+    zipf_trace: ObjectTrace, libcachesim_misses: dict[tuple[str, int], int], size: int
 ) -> None:
     assert _misses(zipf_trace, size, "arc-paper") == libcachesim_misses["arc", size]
 
 
 @pytest.mark.parametrize("size", SIZES)
 def test_arc_plugin_equals_libcachesim(
-    zipf_trace: ObjectTrace, libcachesim_misses: dict, size: int
+    zipf_trace: ObjectTrace, libcachesim_misses: dict[tuple[str, int], int], size: int
 ) -> None:
     assert (
         _misses(zipf_trace, size, "LibCacheSimArc", "reference") == libcachesim_misses["arc", size]
@@ -90,7 +92,7 @@ def test_arc_plugin_equals_libcachesim(
 
 @pytest.mark.parametrize("size", SIZES)
 def test_builtin_arc_is_vllm_arc_not_libcachesims(
-    zipf_trace: ObjectTrace, libcachesim_misses: dict, size: int
+    zipf_trace: ObjectTrace, libcachesim_misses: dict[tuple[str, int], int], size: int
 ) -> None:
     builtin = _misses(zipf_trace, size, "arc")
     # The plug-in with all three switches off is vLLM's ARC: equal to the built-in arc ...

@@ -148,9 +148,9 @@ def test_a_workload_that_looks_nothing_up_is_refused() -> None:
     empty_prompts = [SimRequest("r", 0.0, ((),), output_tokens=64)]
     for workload in ([], ObjectTrace.from_ids([]), empty_prompts):
         with pytest.raises(InvalidArgumentError, match="undefined"):
-            simulate(workload, num_chunks=8)  # type: ignore[arg-type]
+            simulate(workload, num_chunks=8)
         with pytest.raises(InvalidArgumentError, match="undefined"):
-            miss_ratio_curve(workload, [8, 16], jobs=2)  # type: ignore[arg-type]
+            miss_ratio_curve(workload, [8, 16], jobs=2)
 
 
 UNGUARDED_SCRIPT = """
@@ -450,7 +450,7 @@ def test_a_parallel_curve_spawns_with_ctrl_c_ignored_and_reports_every_result(
     during_submit: list[Any] = []
 
     class RecordingPool(ProcessPoolExecutor):
-        def submit(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        def submit(self, *args: Any, **kwargs: Any) -> Any:
             during_submit.append(signal.getsignal(signal.SIGINT))
             return super().submit(*args, **kwargs)
 
@@ -524,7 +524,7 @@ def test_stopping_the_workers_has_ended_them_when_it_returns() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not all(f.running() for f in futures[:2]):
             time.sleep(0.05)
-        processes = list(pool._processes.values())  # type: ignore[attr-defined]
+        processes = list(pool._processes.values())
         assert len(processes) == 2
         started = time.monotonic()
         api._stop_workers(pool)

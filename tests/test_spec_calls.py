@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import types
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import pytest
@@ -36,6 +37,7 @@ from _helpers import (
 from kvoffload import (
     InvalidKeyError,
     KeyStateError,
+    LookupResult,
     ReqContext,
     RequestFinishedError,
 )
@@ -389,7 +391,7 @@ class _Key(bytes):
     """A bytes subclass, so that identity and type of returned keys can be told apart."""
 
 
-_CONTAINERS = {
+_CONTAINERS: dict[str, Callable[[list[bytes]], Iterable[bytes]]] = {
     "list": list,
     "tuple": tuple,
     "subclass keys": lambda keys: [_Key(key) for key in keys],
@@ -599,7 +601,7 @@ def test_hot_calls_cross_into_rust_directly() -> None:
     class Counting(CPUOffloadingManager):
         looked_up = 0
 
-        def lookup(self, key: bytes, req_context: object) -> object:
+        def lookup(self, key: bytes, req_context: object) -> LookupResult:
             Counting.looked_up += 1
             return super().lookup(key, req_context)
 
@@ -631,7 +633,8 @@ def test_fast_lookup_takes_arguments_as_the_method_does() -> None:
     m = CPUOffloadingManager(4)
     ctx = ReqContext(req_id="")
     store(m, ctx, 1)
-    fast, method = m.lookup, m._core.lookup
+    fast: Callable[..., LookupResult] = m.lookup
+    method: Callable[..., LookupResult] = m._core.lookup
     assert fast is not method
     assert str(inspect.signature(fast)) == str(inspect.signature(method))
     calls: list[tuple[tuple[object, ...], dict[str, object]]] = [
@@ -650,7 +653,7 @@ def test_fast_lookup_takes_arguments_as_the_method_does() -> None:
         ((bytearray(b"x"),), {}),
     ]
     for args, kwargs in calls:
-        outcomes = []
+        outcomes: list[tuple[str, object]] = []
         for f in (fast, method):
             try:
                 outcomes.append(("ok", f(*args, **kwargs)))

@@ -389,11 +389,11 @@ def test_a_context_method_set_on_the_instance_is_called(make_manager: MakeManage
     # place of its class's was skipped (the Rust manager ranked without these positions).
     m = make_manager(4)
     req = ReqContext("r")
-    req.get_offload_key_position = {k(1): 10, k(2): 20}.get  # type: ignore[method-assign]
+    req.get_offload_key_position = {k(1): 10, k(2): 20}.get  # type: ignore[method-assign,assignment]
     store(m, req, 1, 2)
     assert m.policy_state()["ranks"] == {k(1): (0, -10), k(2): (0, -20)}
     bad = ReqContext("bad")
-    bad.get_offload_key_position = lambda key: 1.5  # type: ignore[method-assign]
+    bad.get_offload_key_position = lambda key: 1.5  # type: ignore[method-assign,assignment,return-value]
     before = m.policy_state()
     with pytest.raises(InvalidArgumentError, match="position"):
         m.prepare_store(ks(3), bad)
@@ -455,6 +455,7 @@ class JunkStateContext(DuckContext):
     """A context whose ``get_state`` hands back something other than what it was given."""
 
     __slots__ = ("junk",)
+    junk: object
 
     def get_state(self, cls: type) -> Any:
         return self.junk

@@ -67,7 +67,7 @@ def test_a_subclass_override_of_a_rust_policy_method_runs(oracle: Any, vllm_mod:
     status = sys.modules["vllm.v1.kv_offload.cpu.policies.base"].ChunkStatus
     calls: list[tuple[str, Any]] = []
 
-    class Logged(vllm_mod.RustLRU):  # type: ignore[misc,name-defined]
+    class Logged(vllm_mod.RustLRU):  # type: ignore[misc]
         def touch(self, keys: Any, req_context: Any) -> None:
             calls.append(("touch", list(keys)))
             super().touch(keys, req_context)

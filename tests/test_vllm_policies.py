@@ -47,7 +47,7 @@ def _rust_policy_impl(oracle: Any) -> _driver.ImplSpec:
         m._policy.check_invariants()
 
     make = via_spec(oracle, extra, lambda m: Checked(m, oracle.manager_module, check))
-    return _driver.ImplSpec("vllm+rust-policy", make, oracle.ReqContext, None)  # type: ignore[arg-type]
+    return _driver.ImplSpec("vllm+rust-policy", make, oracle.ReqContext, None)
 
 
 @pytest.mark.parametrize("threshold", THRESHOLDS)
@@ -79,13 +79,13 @@ def test_own_rust_policy_in_vllms_manager_matches_kvoffloads_manager(
 
     in_vllm = _driver.ImplSpec(
         "vllm+rust-policy",
-        via_spec(oracle, extra, lambda m: Checked(m, oracle.manager_module)),  # type: ignore[arg-type]
+        via_spec(oracle, extra, lambda m: Checked(m, oracle.manager_module)),
         oracle.ReqContext,
         None,
     )
     kvoffload = _driver.ImplSpec(
         "kvoffload",
-        via_spec(oracle, ours, lambda m: Checked(m, oracle.manager_module)),  # type: ignore[arg-type]
+        via_spec(oracle, ours, lambda m: Checked(m, oracle.manager_module)),
         oracle.ReqContext,
         None,
     )

@@ -196,7 +196,7 @@ def test_kvoffload_manager_through_vllm_types_matches_vllm(
         lambda policy: {**OURS, "eviction_policy": policy},
         lambda m: Checked(m, mm, lambda m: m.check_invariants()),
     )
-    specs = [vllm_spec_impl(oracle), _driver.ImplSpec("kvoffload", ours, oracle.ReqContext, None)]  # type: ignore[arg-type]
+    specs = [vllm_spec_impl(oracle), _driver.ImplSpec("kvoffload", ours, oracle.ReqContext, None)]
     run_seeded(specs, policy, threshold, count=15)
 
 

@@ -19,7 +19,7 @@ import sys
 import threading
 import types
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -355,6 +355,7 @@ def test_a_bad_job_raises_and_moves_nothing(
     before = [a.copy() for a in arrays]
     worker = spec.get_worker(caches)
     worker.pool.view()[:] = 0x5A
+    call: Callable[[], object]
     if store:
         call = lambda: worker.submit_store(3, gpu(base, blocks, starts), cpu(oracle, chunks))  # noqa: E731
     else:
