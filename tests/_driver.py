@@ -1330,7 +1330,8 @@ class SharedSession:
     def apply(self, which: int, op: Op) -> Any:
         """Run ``op`` on manager ``which`` of every implementation (a context step once, for
         both); raise ``SharedMismatch`` on the first difference."""
-        name, me = self.NAMES[which], self.sessions[which]
+        me = self.sessions[which]
+        name = "" if op.kind in _CONTEXT_OPS else self.NAMES[which]  # a context step: no manager's
         try:
             if op.kind in _CONTEXT_OPS:
                 res = self.sessions[0].apply(op)
