@@ -2025,6 +2025,11 @@ mod tests {
         let mut gone = m.new_request_state();
         gone.disown();
         assert!(!gone.adopt_rank(tag));
+        // Nor does a disowned state take up a disowned state's rank (both are no manager's).
+        let mut dropped = req.clone();
+        dropped.disown();
+        let orphan = dropped.rank_tag().expect("a disowned state keeps its rank");
+        assert!(!gone.adopt_rank(orphan));
         // A fresh state of the same manager does, and records with it: no new rank is drawn.
         let mut again = m.new_request_state();
         assert!(again.adopt_rank(tag));
