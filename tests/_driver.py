@@ -1379,6 +1379,23 @@ def run_shared_sequence(
     return SequenceResult(seed, config, calls, None, [op for _, op, _ in session.steps])
 
 
+def first_shared_mismatch(
+    specs: Sequence[ImplSpec],
+    policies: tuple[str, str],
+    count: int,
+    calls: int,
+    thresholds: Sequence[int] = (1, 2, 3),
+) -> Mismatch | None:
+    """The first mismatch of ``count`` seeded shared-context sequences (seed ``i`` with threshold
+    ``thresholds[i % len(thresholds)]``), or None."""
+    for seed in range(count):
+        threshold = thresholds[seed % len(thresholds)]
+        result = run_shared_sequence(specs, policies, threshold, seed, calls)
+        if result.mismatch is not None:
+            return result.mismatch
+    return None
+
+
 def _items(op: Op) -> tuple[Any, ...]:
     """What shrinking may drop one at a time from a call: its keys, or the positions it sets."""
     return tuple(op.arg or ()) if op.kind in ("new_request", "set_position") else op.keys

@@ -119,6 +119,15 @@ def vllm_spec_impl(oracle: Any) -> _driver.ImplSpec:
     return _driver.ImplSpec("vllm", make, oracle.ReqContext, None)
 
 
+def run_shared(specs: list[_driver.ImplSpec], count: int) -> None:
+    """Seeded runs of two managers sharing their request contexts (``_driver.SharedSession``),
+    for each ordered pair of vLLM's policies."""
+    for policies in [(a, b) for a in POLICIES for b in POLICIES]:
+        mismatch = _driver.first_shared_mismatch(specs, policies, count, calls=300)
+        if mismatch is not None:
+            pytest.fail(mismatch.report(40), pytrace=False)
+
+
 def run_seeded(specs: list[_driver.ImplSpec], policy: str, threshold: int, count: int) -> None:
     for seed in range(count):
         result = _driver.run_sequence(specs, policy, threshold, seed, calls=300)

@@ -149,14 +149,9 @@ SHARED_PAIRS = (("lru", "arc"), ("arc", "lru"), ("lru", "lru"), ("lru", "fifo"))
 
 def _run_shared(impls: Sequence[str], policies: tuple[str, str], count: int, calls: int) -> None:
     specs = [_driver.impl_spec(name) for name in impls]
-    for seed in range(count):
-        threshold = THRESHOLDS[seed % len(THRESHOLDS)]
-        result = _driver.run_shared_sequence(specs, policies, threshold, seed, calls)
-        if result.mismatch is not None:
-            pytest.fail(
-                f"{result.mismatch.report(60)}\n\nrepro:\n{result.mismatch.repro()}",
-                pytrace=False,
-            )
+    mismatch = _driver.first_shared_mismatch(specs, policies, count, calls, THRESHOLDS)
+    if mismatch is not None:
+        pytest.fail(f"{mismatch.report(60)}\n\nrepro:\n{mismatch.repro()}", pytrace=False)
 
 
 @pytest.mark.parametrize("policies", SHARED_PAIRS, ids="+".join)

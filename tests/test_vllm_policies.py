@@ -28,6 +28,7 @@ from _vllm import (
     Checked,
     key,
     run_seeded,
+    run_shared,
     via_spec,
     vllm_spec_impl,
 )
@@ -48,6 +49,13 @@ def _rust_policy_impl(oracle: Any) -> _driver.ImplSpec:
 
     make = via_spec(oracle, extra, lambda m: Checked(m, oracle.manager_module, check))
     return _driver.ImplSpec("vllm+rust-policy", make, oracle.ReqContext, None)
+
+
+def test_rust_policies_in_vllms_managers_sharing_contexts_match_vllms(oracle: Any) -> None:
+    # Two of vLLM's managers on one set of request contexts: each replaces the other's request
+    # state, and an LRU policy's request rank outlives that, in kvoffload's policies as in
+    # vLLM's.
+    run_shared([vllm_spec_impl(oracle), _rust_policy_impl(oracle)], count=15)
 
 
 @pytest.mark.parametrize("threshold", THRESHOLDS)

@@ -33,6 +33,7 @@ from _vllm import (
     make_spec,
     offloading_config,
     run_seeded,
+    run_shared,
     via_spec,
     vllm_spec_impl,
 )
@@ -185,19 +186,29 @@ def test_events_follow_enable_kv_cache_events(oracle: Any) -> None:
 # --- kvoffload's manager speaks vLLM's types ---
 
 
-@pytest.mark.parametrize("threshold", THRESHOLDS)
-@pytest.mark.parametrize("policy", POLICIES)
-def test_kvoffload_manager_through_vllm_types_matches_vllm(
-    oracle: Any, policy: str, threshold: int
-) -> None:
+def _ours_impl(oracle: Any) -> _driver.ImplSpec:
+    """kvoffload's manager as vLLM's connector builds it (through the spec, vLLM's types)."""
     mm = oracle.manager_module
     ours = via_spec(
         oracle,
         lambda policy: {**OURS, "eviction_policy": policy},
         lambda m: Checked(m, mm, lambda m: m.check_invariants()),
     )
-    specs = [vllm_spec_impl(oracle), _driver.ImplSpec("kvoffload", ours, oracle.ReqContext, None)]
-    run_seeded(specs, policy, threshold, count=15)
+    return _driver.ImplSpec("kvoffload", ours, oracle.ReqContext, None)
+
+
+@pytest.mark.parametrize("threshold", THRESHOLDS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_kvoffload_manager_through_vllm_types_matches_vllm(
+    oracle: Any, policy: str, threshold: int
+) -> None:
+    run_seeded([vllm_spec_impl(oracle), _ours_impl(oracle)], policy, threshold, count=15)
+
+
+def test_kvoffload_managers_sharing_contexts_through_vllm_types_match_vllm(oracle: Any) -> None:
+    # Two tiers of kvoffload's manager on one set of vLLM's request contexts, against two of
+    # vLLM's: each replaces the other's request state; an LRU request rank outlives that.
+    run_shared([vllm_spec_impl(oracle), _ours_impl(oracle)], count=15)
 
 
 def test_a_scenario_in_vllms_types(oracle: Any, vllm_mod: Any) -> None:
