@@ -231,6 +231,12 @@ def test_difftest_compares_the_calls_managers_make_of_a_plug_in(
     out = capsys.readouterr().out
     assert "rust.calls: [(touch," in out
     assert "total: 2 sequences, 2 mismatches" in out
+    # Two managers on one set of contexts, each with its plug-in: every pair of the two.
+    monkeypatch.undo()
+    assert difftest.main([*argv, "--shared", "--sequences", "1", "--thresholds", "2"]) == 0
+    out = capsys.readouterr().out
+    for pair in ("mru+mru", "mru+random", "random+mru", "random+random"):
+        assert f"{pair} threshold=2: 1 sequences, 200 calls, 0 mismatches" in out
 
 
 def test_difftest_shared_mode_runs_two_managers_on_one_set_of_contexts(
