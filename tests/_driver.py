@@ -1321,10 +1321,12 @@ class SharedSession:
         follow.open, follow.closed = lead.open, lead.closed
         self.steps: list[tuple[str, Op, Any]] = []
 
-    def step(self, which: int, ch: Chooser) -> Any:
-        """Draw manager ``which``'s next legal op and apply it."""
-        op = self.gens[which].next_op(ch)
-        assert op is not None
+    def step(self, which: int, ch: Chooser, kind: str | None = None) -> Any:
+        """Draw manager ``which``'s next legal op (of ``kind``, if given and one is legal) and
+        apply it."""
+        op = self.gens[which].next_op(ch, kind)
+        if op is None:
+            return None
         return self.apply(which, op)
 
     def apply(self, which: int, op: Op) -> Any:

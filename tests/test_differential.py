@@ -8,10 +8,11 @@ only where ``tools/fetch_vllm.sh`` has unpacked the oracle. Longer runs: ``tools
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -83,11 +84,15 @@ class DifferentialMachine(RuleBasedStateMachine):
             self.session.apply(op)
 
 
-def _add_rules(machine: type[DifferentialMachine]) -> None:
-    # One rule per op kind; the generator keeps every call legal.
+class _Stepping(Protocol):
+    def step(self, kind: str, data: st.DataObject) -> None: ...
+
+
+def _add_rules(machine: type[RuleBasedStateMachine]) -> None:
+    # One rule per op kind, calling the machine's ``step``; the generator keeps every call legal.
     for kind in WEIGHTS:
 
-        def do(self: DifferentialMachine, data: st.DataObject, kind: str = kind) -> None:
+        def do(self: _Stepping, data: st.DataObject, kind: str = kind) -> None:
             self.step(kind, data)
 
         do.__name__ = kind
@@ -95,6 +100,48 @@ def _add_rules(machine: type[DifferentialMachine]) -> None:
 
 
 _add_rules(DifferentialMachine)
+
+
+class SharedMachine(RuleBasedStateMachine):
+    """Two managers of each implementation sharing every request context (``SharedSession``);
+    each rule makes one kind of legal call on one of the two and compares everything."""
+
+    impl_names: Sequence[str] = IMPLS
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.session: _driver.SharedSession | None = None
+
+    @initialize(data=st.data())
+    def configure(self, data: st.DataObject) -> None:
+        ch = DataChooser(data)
+        config = Config.draw(ch, big=False, policies=VLLM_POLICIES)
+        other = dataclasses.replace(config, policy=ch.pick(VLLM_POLICIES))
+        specs = [_driver.impl_spec(n) for n in self.impl_names]
+        self.session = _driver.SharedSession([config, other], specs, ch)
+
+    def step(self, kind: str, data: st.DataObject) -> None:
+        assert self.session is not None
+        ch = DataChooser(data)
+        self.session.step(ch.int(0, 1), ch, kind)
+
+
+_add_rules(SharedMachine)
+
+
+def _run_shared_machine(impls: Sequence[str], examples: int) -> None:
+    class Machine(SharedMachine):
+        impl_names = impls
+
+    run_state_machine_as_test(Machine, settings=settings(MACHINE_SETTINGS, max_examples=examples))
+
+
+def test_state_machine_two_managers_sharing_contexts() -> None:
+    _run_shared_machine(IMPLS, examples=60)
+
+
+def test_state_machine_two_managers_sharing_contexts_vllm_oracle() -> None:
+    _run_shared_machine((*IMPLS, _oracle()), examples=60)
 
 
 def _run_machine(impls: Sequence[str], policies: Sequence[str] = POLICIES) -> None:
