@@ -1007,23 +1007,35 @@ class Mismatch(AssertionError):
         config: Config,
         history: list[tuple[Op, Any]],
         label: str = "",
+        managers: Mapping[str, Config] | None = None,
+        names: Sequence[str] | None = None,
     ) -> None:
         self.what, self.index, self.op, self.detail = what, index, op, detail
         self.config, self.history, self.label = config, history, label
+        #: The managers by the name a repro gives them (several: a shared-context run, see
+        #: ``SharedSession``), and the one each step of the history ran on ("": a context step).
+        self.managers = dict(managers) if managers is not None else {"m": config}
+        self.names = list(names) if names is not None else [""] * len(history)
         super().__init__(self.report())
 
     def report(self, context: int | None = 40) -> str:
         """The divergence, the calls that led to it, and a Python repro."""
         lines = [f"{self.what} mismatch at call #{self.index}: {self.op}  [{self.label}]"]
         lines += [f"  {name}: {text}" for name, text in self.detail.items()]
-        lines.append(f"config: {self.config}")
-        steps = [("", op, res) for op, res in self.history]
+        if len(self.managers) == 1:
+            lines.append(f"config: {self.config}")
+        else:
+            lines += [f"manager {name}: {cfg}" for name, cfg in self.managers.items()]
+        steps = [(n, op, res) for n, (op, res) in zip(self.names, self.history, strict=True)]
         return "\n".join(lines + _history_lines(steps, context))
 
     def repro(self) -> str:
-        """A standalone Python script replaying the history on one manager."""
-        steps = [("m", op, res) for op, res in self.history]
-        return _repro_script({"m": self.config}, steps, self.detail)
+        """A standalone Python script replaying the history on the reference manager(s)."""
+        first = next(iter(self.managers))
+        steps = [
+            (n or first, op, res) for n, (op, res) in zip(self.names, self.history, strict=True)
+        ]
+        return _repro_script(self.managers, steps, self.detail)
 
 
 def _history_lines(steps: Sequence[tuple[str, Op, Any]], context: int | None) -> list[str]:
@@ -1265,28 +1277,6 @@ _RECORDING = frozenset({"prepare_store", "prepare_load", "on_new_request"})
 _CONTEXT_OPS = frozenset({"new_request", "set_position"})
 
 
-class SharedMismatch(Mismatch):
-    """A ``Mismatch`` in a run of two managers, reported with the calls of both in order."""
-
-    def __init__(
-        self, inner: Mismatch, steps: list[tuple[str, Op, Any]], configs: Mapping[str, Config]
-    ) -> None:
-        self.steps, self.configs = steps, configs
-        history = [(op, res) for _, op, res in steps]
-        super().__init__(
-            inner.what, len(steps) - 1, inner.op, inner.detail, inner.config, history, inner.label
-        )
-
-    def report(self, context: int | None = 40) -> str:
-        lines = [f"{self.what} mismatch at call #{self.index}: {self.op}  [{self.label}]"]
-        lines += [f"  {name}: {text}" for name, text in self.detail.items()]
-        lines += [f"manager {name}: {cfg}" for name, cfg in self.configs.items()]
-        return "\n".join(lines + _history_lines(self.steps, context))
-
-    def repro(self) -> str:
-        return _repro_script(self.configs, self.steps, self.detail)
-
-
 class SharedSession:
     """Two managers per implementation, ``a`` and ``b``, that share every request context, as
     two offloading tiers of one engine would.
@@ -1331,7 +1321,7 @@ class SharedSession:
 
     def apply(self, which: int, op: Op) -> Any:
         """Run ``op`` on manager ``which`` of every implementation (a context step once, for
-        both); raise ``SharedMismatch`` on the first difference."""
+        both); raise ``Mismatch``, with both managers' steps, on the first difference."""
         me = self.sessions[which]
         name = "" if op.kind in _CONTEXT_OPS else self.NAMES[which]  # a context step: no manager's
         try:
@@ -1348,7 +1338,19 @@ class SharedSession:
                             req.current = False  # its state on the context was replaced
         except Mismatch as inner:
             self.steps.append((name, op, inner.history[-1][1]))
-            raise SharedMismatch(inner, self.steps, self.configs) from None
+            history = [(op, res) for _, op, res in self.steps]
+            names = [name for name, _, _ in self.steps]
+            raise Mismatch(
+                inner.what,
+                len(self.steps) - 1,
+                inner.op,
+                inner.detail,
+                inner.config,
+                history,
+                inner.label,
+                self.configs,
+                names,
+            ) from None
         self.steps.append((name, op, res))
         return res
 
@@ -1375,7 +1377,7 @@ def run_shared_sequence(
             if ch.chance(0.3):
                 which = 1 - which
             session.step(which, ch)
-    except SharedMismatch as mismatch:
+    except Mismatch as mismatch:
         ops = [op for _, op, _ in session.steps]
         return SequenceResult(seed, config, len(session.steps), mismatch, ops)
     return SequenceResult(seed, config, calls, None, [op for _, op, _ in session.steps])

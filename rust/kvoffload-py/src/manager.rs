@@ -407,9 +407,7 @@ fn rank_cell(
 ) -> PyResult<Py<RequestRankCell>> {
     if let Some(obj) = ctx.get_state(&py.get_type::<RequestRankCell>())? {
         if let Ok(cell) = obj.cast_into::<RequestRankCell>() {
-            if let Some(tag) = cell.get().tag() {
-                state.adopt_rank(tag);
-            }
+            cell.get().offer_to(state);
             return Ok(cell.unbind());
         }
     }
@@ -433,8 +431,8 @@ fn install(ctx: &Context<'_>, state: &Bound<'_, RequestState>) -> PyResult<()> {
 fn renew_if_stale(m: &Core, s: &mut core::RequestState, st: &RequestState) {
     if !m.is_current(s) {
         *s = m.new_request_state();
-        if let Some(tag) = st.rank_cell.as_ref().and_then(|cell| cell.get().tag()) {
-            s.adopt_rank(tag);
+        if let Some(cell) = &st.rank_cell {
+            cell.get().offer_to(s);
         }
     }
 }

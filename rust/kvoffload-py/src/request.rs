@@ -248,6 +248,14 @@ impl RequestRankCell {
         self.tag.lock().map_or(None, |t| *t)
     }
 
+    /// Let a fresh `state` take up the rank kept here, if its manager drew it in its cache
+    /// generation (see `core::RequestState::adopt_rank`).
+    pub(crate) fn offer_to(&self, state: &mut core::RequestState) {
+        if let Some(tag) = self.tag() {
+            state.adopt_rank(tag);
+        }
+    }
+
     /// Keep `tag`, replacing the rank kept before.
     pub(crate) fn keep(&self, tag: Option<core::RankTag>) {
         if let Ok(mut t) = self.tag.lock() {
