@@ -159,6 +159,7 @@ class Op(NamedTuple):
             "lookup_prefix": [f"{mgr}.lookup_prefix({ks}, {ctx})"],
             "get_load_source": [f"{mgr}.get_load_source({ks[1:-1]}, {ctx})"],
             "prepare_load": [f"{mgr}.prepare_load({ks}, {ctx})"],
+            "prepare_read": [f"{mgr}.prepare_read({ks}, {ctx})"],
             "complete_load": [f"{mgr}.complete_load({ks}, {ctx})"],
             "touch": [f"{mgr}.touch({ks}, {ctx})"],
             "prepare_store": [f"{mgr}.prepare_store({ks}, {ctx})"],
@@ -185,7 +186,14 @@ class Op(NamedTuple):
         return f"{self.kind}({', '.join(parts)})"
 
 
-_KEYED = {"prepare_load", "complete_load", "touch", "prepare_store", "complete_store"}
+_KEYED = {
+    "prepare_load",
+    "prepare_read",
+    "complete_load",
+    "touch",
+    "prepare_store",
+    "complete_store",
+}
 
 
 # --- canonical observables ---
@@ -472,6 +480,10 @@ class Impl:
             return canon(m.complete_store(op.keys, ctx, success=op.arg))
         if kind == "prepare_load":
             return canon(m.prepare_load(list(op.keys), ctx))
+        if kind == "prepare_read":
+            if not hasattr(m, "prepare_read"):  # vLLM's: its tiering primary tier's read
+                return canon(m._prepare_load(list(op.keys), ctx, record_access=False))
+            return canon(m.prepare_read(list(op.keys), ctx))
         if kind == "complete_load":
             return canon(m.complete_load(op.keys, ctx))
         if kind == "touch":
@@ -567,6 +579,8 @@ class Model:
             return all(self.readable(k) for k in op.keys) and (
                 not self.locked(req) or all(k in req.seen for k in op.keys)
             )
+        if kind == "prepare_read":
+            return all(self.readable(k) for k in op.keys)
         if kind == "complete_load":
             return all(self.state.get(k, 0) >= n for k, n in Counter(op.keys).items())
         if kind == "prepare_store":
@@ -610,6 +624,10 @@ class Model:
                 state[k] += 1
             self.loads.append((op.rid or "", list(op.keys)))
             self._recording(self.reqs[op.rid or ""]).seen.update(op.keys)
+        elif kind == "prepare_read":  # pins, and no request records the keys
+            for k in op.keys:
+                state[k] += 1
+            self.loads.append((op.rid or "", list(op.keys)))
         elif kind == "complete_load":
             for k in op.keys:
                 state[k] -= 1
@@ -722,6 +740,7 @@ WEIGHTS: dict[str, float] = {
     "prepare_store": 16,
     "complete_store": 12,
     "prepare_load": 8,
+    "prepare_read": 2,
     "complete_load": 8,
     "lookup": 6,
     "touch": 5,
@@ -942,6 +961,24 @@ class Generator:
         if ch.chance(0.05):
             keys.append(ch.pick(keys))
         return Op("prepare_load", req.rid, tuple(self._arrange(ch, keys)))
+
+    def _prepare_read(self, ch: Chooser) -> Op | None:
+        # A tier's copy of stored keys: often the keys a store of the request just completed,
+        # for a request that may have finished since (vLLM's tiering cascades them then).
+        req, prompt = self._req(ch)
+        model = self.model
+        if model.done_stores and ch.chance(0.6):
+            rid, keys = ch.pick(model.done_stores)
+            req = model.reqs[rid]
+            readable = [k for k in keys if model.readable(k)]
+        else:
+            readable = [k for k in prompt if model.readable(k)]
+        if not readable:
+            return None
+        keys = self._window(ch, readable)
+        if ch.chance(0.05):
+            keys.append(ch.pick(keys))
+        return Op("prepare_read", req.rid, tuple(self._arrange(ch, keys)))
 
     def _complete_load(self, ch: Chooser) -> Op | None:
         if not self.model.loads:

@@ -224,6 +224,58 @@ def test_request_access_only_raises_ranks(make_manager: MakeManager) -> None:
     m.check_invariants()
 
 
+def test_prepare_read_pins_as_a_load_does(make_manager: MakeManager) -> None:
+    m = make_manager(4)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1, 2)
+    assert chunk_ids(m.prepare_read(ks(2, 1, 2), ctx)) == [1, 0, 1]
+    assert chunk_ids(m.prepare_read(ks(1))) == [0]  # the context may be left out
+    assert m.resident() == {k(1): (0, 2), k(2): (1, 2)}
+    m.complete_load(ks(2, 1, 2, 1), ctx)  # a load's completion releases a read's pins
+    assert m.resident() == {k(1): (0, 0), k(2): (1, 0)}
+    m.check_invariants()
+
+
+def test_prepare_read_of_an_absent_or_pending_key_changes_nothing(
+    make_manager: MakeManager,
+) -> None:
+    m = make_manager(4)
+    ctx = ReqContext(req_id="")
+    store(m, ctx, 1)
+    m.prepare_store(ks(2), ctx)  # 2 pending
+    before = (m.resident(), m.policy_state())
+    for bad in (2, 3):
+        with pytest.raises(KeyStateError):
+            m.prepare_read(ks(1, bad), ctx)
+        assert (m.resident(), m.policy_state()) == before
+    m.check_invariants()
+
+
+def test_prepare_read_records_no_request_access(make_manager: MakeManager) -> None:
+    # vLLM's tiering reads a chunk to copy it to another tier: no request's access, so no rank
+    # (LRU) and nothing a finished request may not record.
+    m = make_manager(4)
+    store(m, ReqContext(req_id=""), 1)  # base request rank 0; 1 -> (1, 0)
+    req = request("c", {k(1): 4, k(5): 4})
+    m.prepare_read(ks(1), req)  # a load would take request rank 2 and raise 1 to (2, -4)
+    assert lru_state(m) == ({k(1): (1, 0)}, 2)
+    m.complete_load(ks(1), req)
+    store(m, req, 5)  # the request's first access: rank 2; 5 -> (2, -4)
+    m.on_request_finished(req)
+    m.prepare_read(ks(1), req)  # a finished request that never saw the key: still a read
+    m.complete_load(ks(1), req)
+    with pytest.raises(RequestFinishedError):
+        m.prepare_load(ks(1), req)  # the reads did not make the key the request's
+    # The same calls without the reads leave the same ranks (the finish re-ranks 5 alone).
+    twin = make_manager(4)
+    store(twin, ReqContext(req_id=""), 1)
+    twin_req = request("c", {k(1): 4, k(5): 4})
+    store(twin, twin_req, 5)
+    twin.on_request_finished(twin_req)
+    assert lru_state(m) == lru_state(twin) == ({k(1): (1, 0), k(5): (3, 0)}, 4)
+    m.check_invariants()
+
+
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_complete_load_changes_no_recency(make_manager: MakeManager, policy: str) -> None:
     m = make_manager(4, cache_policy=policy)

@@ -46,6 +46,7 @@ _DIRECT_CALLS = (
     "lookup",
     "lookup_prefix",
     "prepare_load",
+    "prepare_read",
     "complete_load",
     "touch",
     "prepare_store",
@@ -211,6 +212,15 @@ class CPUOffloadingManager:
     def prepare_load(self, keys: Iterable[bytes], req_context: Any) -> CPULoadStoreSpec:
         """Pin readable keys for loading; the spec's ids line up with ``keys``."""
         return self._core.prepare_load(keys, req_context)
+
+    def prepare_read(self, keys: Iterable[bytes], req_context: Any = None) -> CPULoadStoreSpec:
+        """Pin readable keys for a copy out of the cache that is no request's access.
+
+        vLLM's tiering reads a chunk this way to cascade it to a secondary tier
+        (``prepare_read`` of its primary tier). As `prepare_load`, with the same errors, but the
+        context is not read and no request records the keys; `complete_load` releases the pins.
+        """
+        return self._core.prepare_read(keys, req_context)
 
     def touch(self, keys: Iterable[bytes], req_context: Any) -> None:
         """Mark keys as recently used (forwarded to the policy)."""

@@ -382,6 +382,32 @@ class CPUOffloadingManager:
     def prepare_load(self, keys: Iterable[bytes], req_context: RequestContext) -> CPULoadStoreSpec:
         """Pin readable keys (a repeated key is pinned twice); their ids line up with ``keys``."""
         key_list = _as_keys(keys)
+        statuses = self._readable(key_list)
+        self._check_recordable(req_context, key_list)
+        # The state first: a context whose set_state raises leaves nothing pinned.
+        state = self._recording_state(req_context)
+        self._pin(key_list, statuses)
+        try:
+            self._record_load(state, req_context, key_list)
+        except BaseException:
+            self._undo_pins(key_list, statuses)
+            raise
+        return CPULoadStoreSpec([status.chunk_id for status in statuses])
+
+    def prepare_read(
+        self, keys: Iterable[bytes], req_context: RequestContext | None = None
+    ) -> CPULoadStoreSpec:
+        """Pin readable keys for a copy to another tier: `prepare_load` recording no access.
+
+        The context is not read; `complete_load` releases the pins.
+        """
+        key_list = _as_keys(keys)
+        statuses = self._readable(key_list)
+        self._pin(key_list, statuses)
+        return CPULoadStoreSpec([status.chunk_id for status in statuses])
+
+    def _readable(self, key_list: list[bytes]) -> list[ChunkStatus]:
+        """Each key's status, all of them readable (else `KeyStateError`, nothing changed)."""
         statuses = []
         for key in key_list:
             status = self._policy.get(key)
@@ -389,10 +415,10 @@ class CPUOffloadingManager:
                 what = "absent" if status is None else "pending"
                 raise KeyStateError(f"cannot load key {key!r}: it is {what}")
             statuses.append(status)
-        self._check_recordable(req_context, key_list)
-        # The state first: a context whose set_state raises leaves nothing pinned.
-        state = self._recording_state(req_context)
+        return statuses
 
+    def _pin(self, key_list: list[bytes], statuses: list[ChunkStatus]) -> None:
+        """Pin each key once more; a key's first pin is reported to the policy."""
         # If the policy raises, the pins are taken back (the Rust manager's undo, step by step).
         try:
             for key, status in zip(key_list, statuses, strict=True):
@@ -408,12 +434,6 @@ class CPUOffloadingManager:
             self._num_evictable += 1
             self._undo_pins(key_list[:n], statuses[:n])
             raise
-        try:
-            self._record_load(state, req_context, key_list)
-        except BaseException:
-            self._undo_pins(key_list, statuses)
-            raise
-        return CPULoadStoreSpec([status.chunk_id for status in statuses])
 
     def _undo_pins(self, keys: list[bytes], statuses: list[ChunkStatus]) -> None:
         """Release one pin of each key, last first, reporting those back at 0 as evictable.

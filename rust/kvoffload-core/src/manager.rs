@@ -537,19 +537,30 @@ impl Manager {
         positions: Option<&[Option<i64>]>,
         req: &mut RequestState,
     ) -> Result<Vec<ChunkId>> {
-        self.pinning(|m| m.prepare_load_pinning(keys, positions, req))
+        self.pinning(|m| m.prepare_load_pinning(keys, Some((positions, req))))
     }
 
-    /// [`prepare_load`](Self::prepare_load), inside [`pinning`](Self::pinning).
+    /// Pin readable keys for a read that is no request's access: a copy out of the cache to
+    /// another tier (vLLM's `prepare_read`). As [`prepare_load`](Self::prepare_load), and the
+    /// same errors, but no request's state, rank or recorded access changes; the pins are
+    /// released by [`complete_load`](Self::complete_load).
+    pub fn prepare_read(&mut self, keys: &[&[u8]]) -> Result<Vec<ChunkId>> {
+        self.pinning(|m| m.prepare_load_pinning(keys, None))
+    }
+
+    /// [`prepare_load`](Self::prepare_load) (given a request) or
+    /// [`prepare_read`](Self::prepare_read), inside [`pinning`](Self::pinning).
     fn prepare_load_pinning(
         &mut self,
         keys: &[&[u8]],
-        positions: Option<&[Option<i64>]>,
-        req: &mut RequestState,
+        request: Option<(Option<&[Option<i64>]>, &mut RequestState)>,
     ) -> Result<Vec<ChunkId>> {
         self.apply_releases();
-        check_positions(keys, positions)?;
-        req.reserve_fetched(keys.len());
+        let mut request = request;
+        if let Some((positions, req)) = request.as_mut() {
+            check_positions(keys, *positions)?;
+            req.reserve_fetched(keys.len());
+        }
         let hashes: Scratch<u64> = self.slots.hash_batch(keys);
         let found = self.resolve(keys, &hashes);
         let mut chunks = recycle::take(keys.len());
@@ -593,8 +604,14 @@ impl Manager {
                 self.slots.check_pin(c, times)?;
             }
         }
-        let mut call = Call::lazy(keys, &hashes, positions, req, distinct);
-        call.check_may_record(req, 0..keys.len())?;
+        let mut call = match request.as_ref() {
+            Some((positions, req)) => {
+                let call = Call::lazy(keys, &hashes, *positions, req, distinct);
+                call.check_may_record(req, 0..keys.len())?;
+                Some(call)
+            }
+            None => None,
+        };
 
         for (n, &c) in chunks.iter().enumerate() {
             if self.slots.pin(c) {
@@ -608,13 +625,15 @@ impl Manager {
             }
             self.mirror_ref(c);
         }
-        let mark = req.seen.len();
-        if !self.record_new(req, &mut call, 0..keys.len(), |i| Some(chunks[i])) {
-            req.truncate(mark);
-            self.undo_pins(&chunks);
-            return Err(policy_error("on_request_access"));
+        if let (Some((_, req)), Some(call)) = (request, call.as_mut()) {
+            let mark = req.seen.len();
+            if !self.record_new(req, call, 0..keys.len(), |i| Some(chunks[i])) {
+                req.truncate(mark);
+                self.undo_pins(&chunks);
+                return Err(policy_error("on_request_access"));
+            }
+            mark_reused(req, call, 0..keys.len());
         }
-        mark_reused(req, &call, 0..keys.len());
         Ok(chunks)
     }
 
@@ -2154,6 +2173,56 @@ mod tests {
             (vec![KeyBuf::from_slice(b"a")], vec![], vec![])
         );
         m.validate().unwrap();
+    }
+
+    #[test]
+    fn a_read_pins_as_a_load_does_and_records_no_access() {
+        let keys: Vec<[u8; 4]> = (0..5u32).map(u32::to_le_bytes).collect();
+        let refs: Vec<&[u8]> = keys.iter().map(<[u8; 4]>::as_slice).collect();
+        // Keys 0-2 ready, 3 pending, 4 absent; the request that stored them finished.
+        let filled = |kind| {
+            let mut m = manager(8, kind);
+            let mut req = m.new_request_state();
+            m.prepare_store(&refs[..4], None, &mut req)
+                .unwrap()
+                .unwrap();
+            m.complete_store(&refs[..3], true);
+            m.on_request_finished(&mut req, &[None; 4]).unwrap();
+            m
+        };
+        for (_, kind) in PolicyKind::ALL {
+            let mut m = filled(kind);
+            let (resident, order) = (m.resident(), m.policy_state());
+            // An absent key, a pending one: refused, nothing changed.
+            for bad in [refs[4], refs[3]] {
+                let err = m.prepare_read(&[refs[0], bad]).unwrap_err();
+                assert!(matches!(err, CoreError::KeyState(_)), "{kind:?}: {err}");
+                assert_eq!(m.resident(), resident, "{kind:?}");
+            }
+            // A repeated key is pinned twice, as by a load, at the chunks a load would name.
+            let chunks = m.prepare_read(&[refs[2], refs[0], refs[2]]).unwrap();
+            let mut other = m.new_request_state();
+            let loaded = m.prepare_load(&[refs[2], refs[0], refs[2]], None, &mut other);
+            assert_eq!(loaded.unwrap(), chunks, "{kind:?}");
+            let pins = |m: &Manager, k: &[u8]| {
+                m.resident()
+                    .into_iter()
+                    .find(|(key, ..)| key.as_slice() == k)
+                    .unwrap()
+                    .2
+            };
+            assert_eq!((pins(&m, refs[2]), pins(&m, refs[0])), (4, 2), "{kind:?}");
+            m.complete_load(&[refs[2], refs[0], refs[2]]).unwrap();
+            m.complete_load(&[refs[2], refs[0], refs[2]]).unwrap();
+            m.validate().unwrap();
+            // The load recorded its keys for `other`; the read recorded nothing anywhere, so a
+            // manager that only read is back where it started.
+            assert_eq!(m.resident(), resident, "{kind:?}");
+            let mut only_read = filled(kind);
+            only_read.prepare_read(&[refs[2], refs[0]]).unwrap();
+            only_read.complete_load(&[refs[2], refs[0]]).unwrap();
+            assert_eq!(only_read.policy_state(), order, "{kind:?}");
+        }
     }
 
     #[test]

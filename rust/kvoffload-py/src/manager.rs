@@ -1312,6 +1312,33 @@ impl ManagerCore {
         spec(py, self.types(py)?, &chunks)
     }
 
+    /// Pin keys for a read that is no request's access (a copy to another tier: vLLM's
+    /// `prepare_read`); returns a `CPULoadStoreSpec` of their chunk ids. The context is not read
+    /// and no request's state changes; `complete_load` releases the pins.
+    #[pyo3(signature = (keys, req_context=None))]
+    fn prepare_read<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        req_context: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = req_context;
+        let keys = Keys::extract(keys)?;
+        let slices = keys.slices();
+        let addrs = addresses(keys.objs());
+        let (chunks, raised) = self.policy_call(py, None, keys.objs(), None, |m, _| {
+            let chunks = m.prepare_read(slices);
+            if let Ok(chunks) = &chunks {
+                for (&addr, &c) in addrs.iter().zip(chunks) {
+                    m.memo.put(addr, c);
+                }
+            }
+            chunks
+        })?;
+        let chunks = Recycled::from(settle(py, chunks, raised)?);
+        spec(py, self.types(py)?, &chunks)
+    }
+
     /// Release one pin per key; the context is not read.
     #[pyo3(signature = (keys, req_context=None))]
     fn complete_load(
