@@ -167,6 +167,10 @@ CASES: dict[str, Case] = {
     "load-absent": Case(lambda w: w.m.prepare_load(ks(2, 1), w.r), KeyStateError, KeyError),
     "load-never-stored": Case(lambda w: w.m.prepare_load(ks(4, 99), w.r), KeyStateError, KeyError),
     "load-pending": Case(lambda w: w.m.prepare_load(ks(2, 6), w.r), KeyStateError, KeyError),
+    # prepare_read of an absent or pending key
+    "read-absent": Case(lambda w: w.m.prepare_read(ks(2, 1), w.r), KeyStateError, KeyError),
+    "read-pending": Case(lambda w: w.m.prepare_read(ks(2, 6)), KeyStateError, KeyError),
+    "read-str": Case(lambda w: w.m.prepare_read([k(2), "4"], w.r), InvalidKeyError, TypeError),
     # complete_load of a key that is not pinned
     "complete-load-ready": Case(
         lambda w: w.m.complete_load(ks(3, 2), w.r), KeyStateError, KeyError

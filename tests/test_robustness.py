@@ -73,6 +73,7 @@ CALLS = [
     "lookup_prefix",
     "get_load_source",
     "prepare_load",
+    "prepare_read",
     "touch",
     "complete_load",
     "prepare_store",

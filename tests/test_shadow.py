@@ -322,7 +322,8 @@ def test_shadows_never_change_what_a_legal_call_does(policy: str) -> None:
 
     plain = _driver.impl_spec("rust")
     specs = [plain, _driver.ImplSpec("rust+shadows", make, ReqContext, plain.state)]
-    for seed in range(30):
+    # 60 sequences: a skip is rare (under ARC the first comes at seed 48).
+    for seed in range(60):
         result = _driver.run_sequence(specs, policy, 1 + seed % 2, seed, calls=250)
         if result.mismatch is not None:
             pytest.fail(result.mismatch.report(20), pytrace=False)

@@ -22,6 +22,14 @@ request state on the context, and an LRU request rank must outlive that exactly 
 (with ``--plug-ins`` too: the calls made of each manager's plug-in must match)::
 
     python tools/difftest.py --shared --sequences 300 --vllm --jobs 2
+
+With ``--tiering`` each run drives vLLM's ``TieringOffloadingManager`` twice through a seeded
+scheduler (``tests/_tiering.py``): once around vLLM's own CPU primary tier, once around
+kvoffload's (``KVOffloadTieringOffloadingSpec``), for each ``--policies`` x ``--setups`` (the
+secondary tiers) x ``--chunks``, ``--steps`` steps a run; every answer, and after each step both
+primary tiers' state and the secondary tiers' contents, must match (needs the vLLM sources)::
+
+    python tools/difftest.py --tiering --sequences 100 --steps 200 --jobs 2
 """
 
 from __future__ import annotations
@@ -71,12 +79,33 @@ def _make_specs(impls: list[str], plugins: bool) -> list[_driver.ImplSpec]:
 def _init_worker(
     impls: list[str], calls: int, introspect: bool, context: int, plugins: bool
 ) -> None:
-    _specs[:] = _make_specs(impls, plugins)
+    if impls:
+        _specs[:] = _make_specs(impls, plugins)
     _options.update(calls=calls, introspect=introspect, context=context)
+
+
+def _run_tiering(task: tuple[str, int, int]) -> Outcome:
+    # "policy@setup", the pool size and the seed; calls are scheduler steps here.
+    import _tiering
+
+    config, chunks, seed = task
+    policy, setup = config.split("@")
+    steps = int(str(_options["calls"]))
+    oracle = _driver._load_tool("vllm_oracle").load()
+    start = time.perf_counter()
+    extra = {"eviction_policy": policy, "secondary_tiers": _tiering.SETUPS[setup]()}
+    report = None
+    try:
+        _tiering.run_pair(oracle, seed, steps, chunks, extra)
+    except _tiering.TieringMismatch as e:
+        report = str(e)
+    return Outcome(config, chunks, seed, steps, time.perf_counter() - start, report)
 
 
 def _run_one(task: tuple[str, int, int]) -> Outcome:
     policy, threshold, seed = task
+    if "@" in policy:
+        return _run_tiering(task)
     start = time.perf_counter()
     calls, introspect = int(str(_options["calls"])), bool(_options["introspect"])
     if "+" in policy:  # --shared: two managers sharing their request contexts
@@ -131,7 +160,27 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="drive two managers (each ordered pair of --policies) sharing request contexts",
     )
+    parser.add_argument(
+        "--tiering",
+        action="store_true",
+        help="drive vLLM's tiering manager around vLLM's and kvoffload's primary tiers",
+    )
+    parser.add_argument(
+        "--setups", nargs="+", help="with --tiering: secondary tiers (tests/_tiering.py SETUPS)"
+    )
+    parser.add_argument(
+        "--chunks", nargs="+", type=int, default=[6, 16, 40], help="with --tiering: pool sizes"
+    )
+    parser.add_argument("--steps", type=int, default=200, help="with --tiering: steps a run")
     args = parser.parse_args(argv)
+    if args.tiering:
+        import _tiering
+
+        args.setups = args.setups or sorted(_tiering.SETUPS)
+        if not set(args.setups) <= set(_tiering.SETUPS):
+            parser.error(f"--setups: choose from {', '.join(sorted(_tiering.SETUPS))}")
+        if args.plug_ins or args.shared:
+            parser.error("--tiering runs the built-in policies, one manager each")
     allowed = list(_driver.PLUGIN_CLASSES) if args.plug_ins else list(BUILTIN_POLICIES)
     if args.policies is None:
         args.policies = allowed if args.plug_ins else ["lru", "arc"]
@@ -145,6 +194,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the configured sequences; print mismatches and one summary line per configuration."""
     args = _parse(argv)
+    if args.tiering:
+        return _main_tiering(args)
     impls = list(args.impls)
     if args.vllm:
         reason = _driver.vllm_unavailable_reason()
@@ -164,12 +215,61 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(f"difftest: {' vs '.join(impls)}; {len(tasks)} sequences x {args.calls} calls")
     init_args = (impls, args.calls, introspect, args.context, args.plug_ins)
+    outcomes, bad, wall = _run_all(tasks, init_args, args.jobs)
+    by_config: dict[tuple[str, int], list[Outcome]] = defaultdict(list)
+    for outcome in outcomes:
+        by_config[(outcome.policy, outcome.threshold)].append(outcome)
+    specs = _make_specs(impls, args.plug_ins)
+    for _config, group in sorted(by_config.items()):
+        failed = sorted((o for o in group if o.mismatch), key=lambda o: o.seed)
+        if failed:
+            _explain(failed[0], specs, introspect, args)
+    _summary(by_config, ("threshold", "sequences", "calls"), len(outcomes), bad, wall)
+    return 1 if bad else 0
+
+
+def _main_tiering(args: argparse.Namespace) -> int:
+    """``--tiering``: vLLM's tiering manager around each primary tier (no shrinking)."""
+    reason = _driver.vllm_unavailable_reason()
+    if reason is not None:
+        print(f"difftest: --tiering: {reason}", file=sys.stderr)
+        return 2
+    tasks = [
+        (f"{policy}@{setup}", chunks, args.seed + i)
+        for policy in args.policies
+        for setup in args.setups
+        for chunks in args.chunks
+        for i in range(args.sequences)
+    ]
+    print(
+        f"difftest: tiering, vLLM's primary tier vs kvoffload's; "
+        f"{len(tasks)} runs x {args.steps} steps"
+    )
+    outcomes, bad, wall = _run_all(tasks, ([], args.steps, True, args.context, False), args.jobs)
+    by_config: dict[tuple[str, int], list[Outcome]] = defaultdict(list)
+    for outcome in outcomes:
+        by_config[(outcome.policy, outcome.threshold)].append(outcome)
+    for (config, chunks), group in sorted(by_config.items()):
+        failed = sorted((o for o in group if o.mismatch), key=lambda o: o.seed)
+        if failed:
+            print(f"\n=== {config} chunks={chunks} seed={failed[0].seed} ===")
+            print(failed[0].mismatch)
+    _summary(by_config, ("chunks", "runs", "steps"), len(outcomes), bad, wall)
+    return 1 if bad else 0
+
+
+def _run_all(
+    tasks: list[tuple[str, int, int]],
+    init_args: tuple[list[str], int, bool, int, bool],
+    jobs: int,
+) -> tuple[list[Outcome], int, float]:
+    """Run ``tasks`` (in ``jobs`` processes); the outcomes, the mismatches and the wall time."""
     outcomes: list[Outcome] = []
     bad = 0
     start = time.perf_counter()
     with tqdm(total=len(tasks), unit="seq", dynamic_ncols=True) as bar:
-        if args.jobs > 1:
-            with multiprocessing.Pool(args.jobs, _init_worker, init_args) as pool:
+        if jobs > 1:
+            with multiprocessing.Pool(jobs, _init_worker, init_args) as pool:
                 results = pool.imap_unordered(_run_one, tasks, chunksize=4)
                 for outcome in results:
                     outcomes.append(outcome)
@@ -184,16 +284,21 @@ def main(argv: list[str] | None = None) -> int:
                 bad += outcome.mismatch is not None
                 bar.set_postfix(mismatches=bad)
                 bar.update()
-    wall = time.perf_counter() - start
+    return outcomes, bad, time.perf_counter() - start
 
-    by_config: dict[tuple[str, int], list[Outcome]] = defaultdict(list)
-    for outcome in outcomes:
-        by_config[(outcome.policy, outcome.threshold)].append(outcome)
-    specs = _make_specs(impls, args.plug_ins)
-    for _config, group in sorted(by_config.items()):
-        failed = sorted((o for o in group if o.mismatch), key=lambda o: o.seed)
-        if failed:
-            _explain(failed[0], specs, introspect, args)
+
+def _summary(
+    by_config: dict[tuple[str, int], list[Outcome]],
+    words: tuple[str, str, str],
+    runs: int,
+    bad: int,
+    wall: float,
+) -> None:
+    """Print one line per configuration, then the total.
+
+    ``words`` name a configuration's number, a run and a step.
+    """
+    label, run, step = words
     print()
     for (policy, threshold), group in sorted(by_config.items()):
         failed_seeds = [o.seed for o in group if o.mismatch]
@@ -201,11 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         cpu = sum(o.seconds for o in group)
         seeds = f" (seeds {', '.join(map(str, sorted(failed_seeds)[:10]))})" if failed_seeds else ""
         print(
-            f"{policy} threshold={threshold}: {len(group)} sequences, {calls:,} calls, "
+            f"{policy} {label}={threshold}: {len(group)} {run}, {calls:,} {step}, "
             f"{len(failed_seeds)} mismatches{seeds}, {cpu:.1f} s"
         )
-    print(f"total: {len(outcomes)} sequences, {bad} mismatches, {wall:.1f} s wall")
-    return 1 if bad else 0
+    print(f"total: {runs} {run}, {bad} mismatches, {wall:.1f} s wall")
 
 
 def _explain(

@@ -230,9 +230,43 @@ def _gpu_side_stand_ins() -> dict[str, types.ModuleType]:
     }
 
 
+class _ByteTensor:
+    """numpy stand-in for the one tensor the scheduler side makes.
+
+    That is the bytes of the tiering spec's shared region (``torch.frombuffer``), which its
+    primary tier shows the secondary tiers as a memoryview of one row per chunk: zero-copy, as
+    vLLM checks.
+    """
+
+    def __init__(self, array: Any) -> None:
+        self._array = array
+
+    def view(self, *shape: int) -> _ByteTensor:
+        """The same bytes in ``shape``."""
+        return _ByteTensor(self._array.reshape(shape))
+
+    def numpy(self) -> Any:
+        """The array itself (no copy)."""
+        return self._array
+
+    def data_ptr(self) -> int:
+        """The address of the first byte."""
+        return int(self._array.ctypes.data)
+
+
+def _frombuffer(buffer: Any, dtype: Any) -> _ByteTensor:
+    import numpy as np
+
+    return _ByteTensor(np.frombuffer(buffer, dtype=dtype))
+
+
 def _torch_stand_in() -> types.ModuleType:
-    # base.py and the worker modules name torch types in annotations evaluated at import time.
-    return _opaque_module("torch")
+    # base.py and the worker modules name torch types in annotations evaluated at import time;
+    # the tiering spec's region wraps its mapping in a tensor on the scheduler side too.
+    torch = _opaque_module("torch")
+    torch.frombuffer = _frombuffer  # type: ignore[attr-defined]
+    torch.int8 = "int8"  # type: ignore[attr-defined]
+    return torch
 
 
 @dataclass(frozen=True)

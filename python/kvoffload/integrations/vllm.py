@@ -11,6 +11,12 @@ Two ways in, both through vLLM's own extension points:
   of vLLM's CPU spec keeps its meaning. The worker side is vLLM's unless ``"host_pool":
   "kvoffload"`` is set: then it is ``KVOffloadHostPoolWorker``, which copies between host-memory
   KV caches and a ``kvoffload.HostPool`` (no GPU copies; see ``vllm_worker``).
+- ``KVOffloadTieringOffloadingSpec``: a subclass of vLLM's ``TieringOffloadingSpec`` (a CPU
+  primary tier and secondary tiers: storage, network, ...) whose primary tier is kvoffload's Rust
+  manager (``KVOffloadCPUPrimaryTier``). Select it with ``"spec_name":
+  "KVOffloadTieringOffloadingSpec"``; ``secondary_tiers`` and every other key of vLLM's tiering
+  spec keep their meaning. The secondary tiers and the orchestration between the tiers are
+  vLLM's own.
 - ``RustLRU`` and ``RustARC``: vLLM ``CachePolicy`` subclasses backed by kvoffload-core's LRU
   and ARC, for vLLM's own Python manager: ``"eviction_policy": "RustLRU",
   "cache_policy_module_path": "kvoffload.integrations.vllm"``. Likewise kvoffload's other
@@ -26,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 import sys
 import threading
 import types
@@ -47,11 +54,14 @@ __all__ = [
     "RUST_POLICIES",
     "SPEC_MODULE_PATH",
     "SPEC_NAME",
+    "TIERING_SPEC_NAME",
     "VLLM_VERSION",
     # Built from vLLM's classes on first access (module __getattr__ below).
     "KVOffloadCPUOffloadingManager",  # noqa: F822
     "KVOffloadCPUOffloadingSpec",  # noqa: F822
+    "KVOffloadCPUPrimaryTier",  # noqa: F822
     "KVOffloadHostPoolWorker",  # noqa: F822
+    "KVOffloadTieringOffloadingSpec",  # noqa: F822
     "Rust2Q",  # noqa: F822
     "RustARC",  # noqa: F822
     "RustARCPaper",  # noqa: F822
@@ -68,6 +78,8 @@ __all__ = [
 VLLM_VERSION = "0.33.0"
 #: ``spec_name`` and ``spec_module_path`` of ``kv_connector_extra_config``.
 SPEC_NAME = "KVOffloadCPUOffloadingSpec"
+#: ``spec_name`` of the tiering spec (a primary tier of kvoffload's and vLLM's secondary tiers).
+TIERING_SPEC_NAME = "KVOffloadTieringOffloadingSpec"
 SPEC_MODULE_PATH = "kvoffload.integrations.vllm"
 #: ``eviction_policy`` values the Rust manager runs itself (vLLM's lru and arc, and kvoffload's
 #: own policies); any other policy is run by vLLM's own manager (as ``CPUOffloadingSpec`` would),
@@ -82,12 +94,15 @@ _MANAGER_MODULE = "vllm.v1.kv_offload.cpu.manager"
 _POLICY_BASE_MODULE = "vllm.v1.kv_offload.cpu.policies.base"
 _SPEC_MODULE = "vllm.v1.kv_offload.cpu.spec"
 _BASE_MODULE = "vllm.v1.kv_offload.base"
+_TIERING_SPEC_MODULE = "vllm.v1.kv_offload.tiering.spec"
+_TIERING_MANAGER_MODULE = "vllm.v1.kv_offload.tiering.manager"
 
 
 #: The extra-config key for ``CPUOffloadingManager(pending_write_timeout=...)``.
 PENDING_WRITE_TIMEOUT_KEY = "pending_write_timeout"
 
 _built: dict[str, Any] = {}
+_log = logging.getLogger(__name__)
 
 
 def vllm_types() -> types.SimpleNamespace:
@@ -236,6 +251,174 @@ def _build_spec() -> type:
     return KVOffloadCPUOffloadingSpec
 
 
+def _build_primary_tier() -> type:
+    manager_cls = _lookup("KVOffloadCPUOffloadingManager")
+
+    class KVOffloadCPUPrimaryTier(manager_cls):  # type: ignore[misc,valid-type]
+        """kvoffload's Rust manager as the CPU primary tier of vLLM's ``TieringOffloadingManager``.
+
+        The interface of vLLM's ``CPUPrimaryTierOffloadingManager``: the manager's calls (the
+        GPU's loads and stores), and under the secondary tiers' names, a read of chunks out of
+        this tier (``prepare_read``, ``complete_read``) and a write into it (``prepare_write``,
+        ``complete_write``: a promotion). A read pins without recording a request access.
+        ``mmap_region`` is the scheduler's ``SharedOffloadRegion``: its bytes are what
+        ``get_kv_memoryview`` shows the secondary tiers, and ``shutdown`` releases it.
+        """
+
+        def __init__(
+            self,
+            num_chunks: int,
+            mmap_region: Any,
+            cache_policy: str = "lru",
+            cache_policy_module_path: str | None = None,
+            enable_events: bool = False,
+            info: Any = None,
+            **kwargs: Any,
+        ) -> None:
+            super().__init__(
+                num_chunks=num_chunks,
+                cache_policy=cache_policy,
+                cache_policy_module_path=cache_policy_module_path,
+                enable_events=enable_events,
+                info=info,
+                **kwargs,
+            )
+            self._mmap_region = mmap_region
+            self._kv_memoryview = mmap_region.create_kv_memoryview()
+            # The secondary tiers' names for the manager's calls, bound to the same callables
+            # (the core's own methods for the hot ones).
+            self.complete_read = self.complete_load
+            self.prepare_write = self.prepare_store
+            self.complete_write = self.complete_store
+
+        def get_kv_memoryview(self) -> memoryview:
+            """The region's bytes, one row per chunk (a secondary tier reads chunk c as row c)."""
+            view: memoryview = self._kv_memoryview
+            return view
+
+        def shutdown(self) -> None:
+            """Release the view of the region, then the region."""
+            super().shutdown()
+            self._kv_memoryview.release()
+            self._mmap_region.cleanup()
+
+    KVOffloadCPUPrimaryTier.__qualname__ = "KVOffloadCPUPrimaryTier"
+    KVOffloadCPUPrimaryTier.__module__ = __name__
+    return KVOffloadCPUPrimaryTier
+
+
+def _build_tiering_spec() -> type:
+    tiering_spec: Any = importlib.import_module(_TIERING_SPEC_MODULE)
+    tiering_manager: Any = importlib.import_module(_TIERING_MANAGER_MODULE)
+    primary_cls = _lookup("KVOffloadCPUPrimaryTier")
+
+    class KVOffloadTieringOffloadingSpec(tiering_spec.TieringOffloadingSpec):  # type: ignore[misc]
+        """vLLM's tiering spec with kvoffload's manager as the CPU primary tier.
+
+        Everything but the primary tier is vLLM's: the shared region, the secondary tiers
+        (``secondary_tiers``), the ``TieringOffloadingManager`` that orchestrates them, the
+        worker, metrics and config info. The primary tier takes the keys of vLLM's tiering spec
+        (``eviction_policy``, ``cache_policy_module_path``; ``store_threshold`` of 2 or more is
+        refused, as vLLM refuses it) and kvoffload's ``pending_write_timeout``. A policy that is
+        not one of kvoffload's built-in names runs in vLLM's own primary tier.
+        """
+
+        _manager: Any  # set to None by TieringOffloadingSpec.__init__
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            # Held while the manager is built on first use: two threads' first calls build one.
+            self._building = threading.Lock()
+
+        def get_manager(self) -> Any:
+            """The scheduler-side ``TieringOffloadingManager``, built on first use."""
+            with self._building:
+                if not self._manager:
+                    self._manager = self._build_tiering_manager()
+                return self._manager
+
+        def _build_tiering_manager(self) -> Any:
+            extra = self.extra_config
+            if _int_key(extra, "store_threshold", 0) >= 2:
+                raise InvalidArgumentError(
+                    "store_threshold is not supported by the tiering spec (as in vLLM's)"
+                )
+            timeout = extra.get(PENDING_WRITE_TIMEOUT_KEY)
+            ours = self.eviction_policy in KVOFFLOAD_POLICIES
+            if timeout is not None and not ours:
+                raise InvalidArgumentError(
+                    f"{PENDING_WRITE_TIMEOUT_KEY} needs one of kvoffload's built-in policies "
+                    f"{KVOFFLOAD_POLICIES}; eviction_policy {self.eviction_policy!r} runs in "
+                    "vLLM's primary tier, which has no write expiry"
+                )
+            region = primary = None
+            tiers: list[Any] = []
+            try:
+                # The scheduler's view of the region (rank None) the workers map too.
+                region = tiering_spec.SharedOffloadRegion(
+                    engine_id=self._engine_id,
+                    num_chunks=self.num_chunks,
+                    rank=None,
+                    kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                    cpu_page_size=self.cpu_page_size_per_worker,
+                )
+                self._scheduler_mmap = region
+                kwargs: dict[str, Any] = {
+                    "num_chunks": self.num_chunks,
+                    "mmap_region": region,
+                    "cache_policy": self.eviction_policy,
+                    "cache_policy_module_path": self.cache_policy_module_path,
+                    "enable_events": self.kv_events_config.enable_kv_cache_events,
+                    "info": self.cpu_info,
+                }
+                if ours:
+                    if timeout is not None:
+                        kwargs["pending_write_timeout"] = timeout
+                    primary = primary_cls(**kwargs)
+                else:
+                    primary = tiering_manager.CPUPrimaryTierOffloadingManager(**kwargs)
+                view = primary.get_kv_memoryview()
+                for tier_config in self.secondary_tier_configs:
+                    tiers.append(
+                        tiering_spec.SecondaryTierFactory.create_secondary_tier(
+                            tier_config, view, self
+                        )
+                    )
+                return tiering_manager.TieringOffloadingManager(
+                    primary_tier=primary,
+                    secondary_tiers=tiers,
+                    tier_poll_interval_s=self.tier_poll_interval_s,
+                )
+            except BaseException:
+                _release(tiers, primary, region)
+                self._scheduler_mmap = None
+                raise
+
+    KVOffloadTieringOffloadingSpec.__qualname__ = "KVOffloadTieringOffloadingSpec"
+    KVOffloadTieringOffloadingSpec.__module__ = __name__
+    return KVOffloadTieringOffloadingSpec
+
+
+def _release(tiers: list[Any], primary: Any, region: Any) -> None:
+    """Shut down what a failed build made, the last made first.
+
+    The region goes with the primary tier, which releases it, or alone when there is none. Each
+    failure is logged; the caller raises the build's error.
+    """
+    for part in [*reversed(tiers), primary]:
+        if part is None:
+            continue
+        try:
+            part.shutdown()
+        except Exception:
+            _log.exception("shutting down %r after a failed build", part)
+    if primary is None and region is not None:
+        try:
+            region.cleanup()
+        except Exception:
+            _log.exception("releasing the shared region after a failed build")
+
+
 def _int_key(extra: Any, name: str, default: int) -> int:
     """Read ``int(extra.get(name, default))``, as vLLM's spec reads the key.
 
@@ -348,6 +531,8 @@ RUST_POLICIES: dict[str, str] = {
 _BUILDERS: dict[str, Callable[[], type]] = {
     "KVOffloadCPUOffloadingManager": _build_manager,
     "KVOffloadCPUOffloadingSpec": _build_spec,
+    "KVOffloadCPUPrimaryTier": _build_primary_tier,
+    "KVOffloadTieringOffloadingSpec": _build_tiering_spec,
     "KVOffloadHostPoolWorker": _build_worker,
     **{name: functools.partial(_build_policy, kind, name) for name, kind in RUST_POLICIES.items()},
 }

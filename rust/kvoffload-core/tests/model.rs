@@ -158,6 +158,7 @@ fn legal_op() -> impl Strategy<Value = Op> {
         1 => picks().prop_map(Op::LookupPrefix),
         3 => (req.clone(), picks(), any::<bool>())
             .prop_map(|(req, picks, explicit)| Op::Load { req, picks, explicit }),
+        1 => picks().prop_map(Op::Read),
         3 => (prop::bool::weighted(0.6), picks())
             .prop_map(|(whole_job, picks)| Op::CompleteLoad { whole_job, picks }),
         2 => picks().prop_map(Op::Touch),

@@ -47,6 +47,9 @@ pub(crate) enum Op {
         picks: Vec<u8>,
         explicit: bool,
     },
+    /// Pin keys picked from the readable ones for another tier's copy (`prepare_read`): no
+    /// request records them; the pins are completed as a load's.
+    Read(Vec<u8>),
     /// Complete one load job in flight (`whole_job`, picked by the first pick), or loads of
     /// keys drawn from all jobs' pins (a key at most as often as it is pinned).
     CompleteLoad {
@@ -543,6 +546,17 @@ impl Harness {
                 let keys = pick(&self.loadable(slot), picks);
                 if !keys.is_empty() {
                     self.load(slot, &keys, *explicit);
+                }
+            }
+            Op::Read(picks) => {
+                let keys = pick(&self.model.keys_where(|r| r >= 0), picks);
+                if !keys.is_empty() {
+                    let got = self.mgr.prepare_read(&refs(&keys));
+                    let want = self.model.prepare_read(&keys);
+                    assert_eq!(got.map_err(|e| refusal(&e)), want, "prepare_read {keys:?}");
+                    if want.is_ok() {
+                        self.load_jobs.push(keys);
+                    }
                 }
             }
             Op::CompleteLoad { whole_job, picks } => self.complete_load(*whole_job, picks),

@@ -344,12 +344,7 @@ impl Model {
         if req.finished && keys.iter().any(|k| !has(&req.seen, k)) {
             return Err(Refusal::RequestFinished);
         }
-        let mut ids = Vec::new();
-        for k in keys {
-            let i = self.find(k).unwrap();
-            self.chunks[i].refs += 1;
-            ids.push(self.chunks[i].id);
-        }
+        let ids = self.pin(keys);
         let accessed: Vec<(Key, Option<i64>)> = keys
             .iter()
             .cloned()
@@ -357,6 +352,28 @@ impl Model {
             .collect();
         self.record(req, &accessed, keys);
         Ok(ids)
+    }
+
+    /// `prepare_load` for another tier's copy: the same pins, and no request records a key.
+    pub(crate) fn prepare_read(&mut self, keys: &[Key]) -> Result<Vec<ChunkId>, Refusal> {
+        if keys
+            .iter()
+            .any(|k| matches!(self.refs_of(k), None | Some(-1)))
+        {
+            return Err(Refusal::KeyState);
+        }
+        Ok(self.pin(keys))
+    }
+
+    /// One more pin of each key (all readable); their chunk ids.
+    fn pin(&mut self, keys: &[Key]) -> Vec<ChunkId> {
+        let mut ids = Vec::new();
+        for k in keys {
+            let i = self.find(k).unwrap();
+            self.chunks[i].refs += 1;
+            ids.push(self.chunks[i].id);
+        }
+        ids
     }
 
     pub(crate) fn complete_load(&mut self, keys: &[Key]) -> Result<(), Refusal> {

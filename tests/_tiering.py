@@ -1,0 +1,420 @@
+"""A seeded scheduler driving vLLM 0.33.0's ``TieringOffloadingManager`` with each primary tier.
+
+Each implementation is a tiering manager built by a spec through vLLM's
+``OffloadingSpecFactory``: vLLM's own ``TieringOffloadingSpec`` (its
+``CPUPrimaryTierOffloadingManager``) or kvoffload's ``KVOffloadTieringOffloadingSpec``
+(``KVOffloadCPUPrimaryTier``), each with vLLM's in-memory ``example`` secondary tier, which
+completes every transfer at once, so every run is deterministic. The managers run side by side,
+every call's answer compared as it comes (``_driver.canon``), and after each step their primary
+tiers' state and their secondary tiers' contents.
+
+A step is a scheduler's: the last step's loads and stores complete (a few stores fail); new
+requests arrive (``on_new_request``, a lookup per key up to the first that is not a HIT, then
+``prepare_load`` and ``touch`` of the hit prefix, or a wait when the next key is being stored or
+promoted); each running request offers its next batch (``prepare_store``) and finishes once all
+its keys are offered; now and then a lookup of any key, events, stats or a reset; then
+``on_schedule_end``. The tiers interact the way they do in vLLM: a completed store is cascaded
+to the secondary tier (``prepare_read`` of the primary, then ``complete_read`` when the copy
+completes), and a key evicted from the primary tier but held by the secondary one is promoted
+back by a lookup (``prepare_write``, then ``complete_write``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+import types
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import _driver
+from _vllm import offloading_config
+
+#: ``spec_name`` and ``spec_module_path`` of each implementation (vLLM's spec is in-tree).
+SPECS: dict[str, dict[str, str]] = {
+    "vllm": {},
+    "kvoffload": {
+        "spec_name": "KVOffloadTieringOffloadingSpec",
+        "spec_module_path": "kvoffload.integrations.vllm",
+    },
+}
+
+
+#: The module ``install_tiers`` makes, holding ``ScriptedTier``.
+TIERS_MODULE = "kvoffload_test_tiers"
+
+_SCRIPTED_TIER = '''
+from vllm.v1.kv_offload.base import OffloadPolicy, RequestOffloadingContext
+from vllm.v1.kv_offload.tiering.base import JobResult
+from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
+
+
+class ScriptedTier(ExampleSecondaryTierManager):
+    """vLLM's in-memory example tier, made to behave like a slower, fallible one by rules that
+    depend only on the calls it gets (so two managers that call alike see alike):
+
+    - ``request_level_every``: request rN asks for request-level offloading when N is a
+      multiple (the tiering manager then also cascades the request's keys already stored);
+    - ``delay``: a job's completion is reported only after that many ``on_schedule_end`` calls;
+    - ``fail_every``: a store job whose id is a multiple fails (nothing kept); a promotion
+      whose id is a multiple fails, for its second half of keys when it has two or more;
+    - ``capacity``: at most that many keys, the oldest dropped first (0: no limit).
+    """
+
+    def __init__(self, *args, request_level_every=0, delay=0, fail_every=0, capacity=0, **kw):
+        super().__init__(*args, **kw)
+        self.request_level_every, self.delay = request_level_every, delay
+        self.fail_every, self.capacity = fail_every, capacity
+        self.held = []  # [steps left, JobResult]
+
+    def _fails(self, job_id):
+        return self.fail_every and job_id % self.fail_every == 0
+
+    def on_new_request(self, req_context):
+        n = int(req_context.req_id[1:])
+        if self.request_level_every and n % self.request_level_every == 0:
+            return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+        return RequestOffloadingContext()
+
+    def submit_store(self, job):
+        if self._fails(job.job_id):
+            self.completed_jobs.append(JobResult(job_id=job.job_id, success=False))
+        else:
+            super().submit_store(job)
+            while self.capacity and len(self.chunks) > self.capacity:
+                del self.chunks[next(iter(self.chunks))]
+        self._hold()
+
+    def submit_load(self, job):
+        keys = list(job.keys)
+        if self._fails(job.job_id) and all(k in self.chunks for k in keys):
+            half = keys[: len(keys) // 2]
+            self.completed_jobs.append(
+                JobResult(job_id=job.job_id, success=False, successful_keys=half or None)
+            )
+        else:
+            super().submit_load(job)
+        self._hold()
+
+    def _hold(self):
+        self.held += [[self.delay, r] for r in self.completed_jobs]
+        self.completed_jobs = []
+
+    def on_schedule_end(self, context):
+        for h in self.held:
+            h[0] -= 1
+
+    def get_finished_jobs(self):
+        done = [r for left, r in self.held if left <= 0]
+        self.held = [h for h in self.held if h[0] > 0]
+        return done
+
+    def has_pending_work(self):
+        return bool(self.held)
+
+    def drain_jobs(self):
+        for h in self.held:
+            h[0] = 0
+'''
+
+
+def install_tiers() -> str:
+    """Make ``ScriptedTier`` importable in this process (the oracle loaded); the module name."""
+    if TIERS_MODULE not in sys.modules:
+        module = types.ModuleType(TIERS_MODULE)
+        exec(compile(_SCRIPTED_TIER, f"<{TIERS_MODULE}>", "exec"), module.__dict__)
+        sys.modules[TIERS_MODULE] = module
+    return TIERS_MODULE
+
+
+def scripted_tier(**rules: int) -> dict[str, Any]:
+    """A ``secondary_tiers`` entry: a ``ScriptedTier`` with ``rules``."""
+    return {"type": "ScriptedTier", "module_path": install_tiers(), **rules}
+
+
+#: Secondary tiers of the differential runs, by name (``ScriptedTier``'s rules: see above).
+SETUPS: dict[str, Callable[[], list[dict[str, Any]]]] = {
+    "example": lambda: [{"type": "example"}],
+    "slow-failing": lambda: [scripted_tier(delay=1, fail_every=5)],
+    "request-level": lambda: [scripted_tier(request_level_every=2, delay=2, capacity=30)],
+    "two-tiers": lambda: [
+        {"type": "example"},
+        scripted_tier(request_level_every=3, fail_every=4, delay=1, capacity=20),
+    ],
+}
+
+
+def build(oracle: Any, impl: str, num_chunks: int, extra: dict[str, Any]) -> Any:
+    """A tiering manager of ``impl`` over ``num_chunks`` chunks, built by its spec through vLLM's
+    ``OffloadingSpecFactory``, with one ``example`` secondary tier unless ``extra`` says
+    otherwise (the tier-poll thread off)."""
+    extra = {
+        "tier_poll_interval_s": 0,
+        "secondary_tiers": [{"type": "example"}],
+        **SPECS[impl],
+        **extra,
+    }
+    if impl == "vllm":
+        extra["spec_name"] = "TieringOffloadingSpec"
+    config = offloading_config(oracle, num_chunks, extra)
+    # A region of its own: the spec names its shared memory file after the engine.
+    config = dataclasses.replace(config, engine_id=f"kvoffload-test-{uuid.uuid4().hex}")
+    return oracle.factory.OffloadingSpecFactory.create_spec(config).get_manager()
+
+
+def primary_state(oracle_mod: Any, manager: Any) -> dict[str, Any]:
+    """The primary tier's state in kvoffload's introspection layout (invariants checked)."""
+    primary = manager.primary_tier
+    if hasattr(primary, "resident"):
+        return _driver._own_state(primary)
+    state: dict[str, Any] = oracle_mod.state_of(primary)
+    return state
+
+
+class TieringMismatch(AssertionError):
+    """Two tiering managers answered a call differently, or their tiers hold different state."""
+
+
+@dataclass
+class _Request:
+    rid: str
+    keys: list[bytes]
+    ctxs: list[Any]
+    offered: int = 0
+    waits: int = 0
+
+
+@dataclass
+class TieringRun:
+    """Several tiering managers driven in lockstep by one seeded scheduler."""
+
+    oracle: Any
+    managers: Sequence[Any]
+    names: Sequence[str]
+    seed: int
+    #: Documents the prompts are drawn from (shared prefixes) and their lengths in keys.
+    docs: int = 4
+    doc_keys: tuple[int, int] = (4, 24)
+    history: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(f"tiering/{self.seed}")
+        self.oracle_mod = _driver._load_tool("vllm_oracle")
+        self.base = self.oracle.base
+        self.doc_list = [
+            [
+                _driver.key(self.rng.randrange(10**6))
+                for _ in range(self.rng.randint(*self.doc_keys))
+            ]
+            for _ in range(self.docs)
+        ]
+        self.running: list[_Request] = []
+        self.waiting: list[_Request] = []
+        self.loads: list[tuple[_Request, list[bytes]]] = []
+        self.stores: list[tuple[_Request, list[bytes]]] = []
+        self.next_rid = 0
+        self.reset_pending = False
+
+    # --- calls, compared ---
+
+    def call(self, what: str, run: Callable[[Any, int], Any]) -> Any:
+        """Run ``run(manager, i)`` on each manager; their canonical answers must agree. Returns
+        the first manager's raw answer."""
+        answers, raw = [], []
+        for i, m in enumerate(self.managers):
+            try:
+                out = run(m, i)
+                answers.append(_driver.canon(out))
+            except Exception as e:  # compared like an answer
+                out = None
+                answers.append(("raised", type(e).__name__, str(e)))
+            raw.append(out)
+        self.history.append(f"{what} -> {_driver.render(answers[0])}")
+        if any(a != answers[0] for a in answers):
+            self.fail(
+                f"{what}: "
+                + "; ".join(
+                    f"{n}: {_driver.render(a)}" for n, a in zip(self.names, answers, strict=True)
+                )
+            )
+        if isinstance(answers[0], tuple) and answers[0][:1] == ("raised",):
+            self.fail(f"{what} raised in every manager: {answers[0]}")
+        return raw[0]
+
+    def fail(self, what: str) -> None:
+        """Raise a mismatch with the last steps of the history."""
+        tail = "\n  ".join(self.history[-30:])
+        raise TieringMismatch(f"seed {self.seed}: {what}\nlast calls:\n  {tail}")
+
+    def check_state(self) -> None:
+        """The primary tiers' state, the secondary tiers' contents and pending work agree."""
+        states = [primary_state(self.oracle_mod, m) for m in self.managers]
+        tiers = [[sorted(t.chunks) for t in m.secondary_tiers] for m in self.managers]
+        work = [m.has_pending_work() for m in self.managers]
+        for n, s, t, w in zip(self.names, states, tiers, work, strict=True):
+            if s != states[0]:
+                diff = [part for part in s if s[part] != states[0].get(part)]
+                self.fail(f"primary tier state differs ({self.names[0]} vs {n}): {diff}")
+            if t != tiers[0] or w != work[0]:
+                self.fail(f"secondary tiers differ ({self.names[0]} vs {n})")
+
+    # --- the scheduler ---
+
+    def step(self) -> None:
+        """One scheduler step (see the module's docstring)."""
+        rng, ScheduleEnd = self.rng, self.base.ScheduleEndContext
+        for req, keys in self.loads:
+            self.call(f"complete_load({req.rid}, {len(keys)})", _on(req, "complete_load", keys))
+        for req, keys in self.stores:
+            ok = rng.random() > 0.05
+            self.call(
+                f"complete_store({req.rid}, {len(keys)}, {ok})",
+                _on(req, "complete_store", keys, ok),
+            )
+        self.loads, self.stores = [], []
+        if self.reset_pending:
+            self.call("on_reset_flushed()", lambda m, i: m.on_reset_flushed())
+            self.reset_pending = False
+        new: list[str] = []
+        for _ in range(rng.choice((0, 1, 1, 2))):
+            self.waiting.append(self._arrive(new))
+        for req in list(self.waiting):
+            self._admit(req)
+        for req in list(self.running):
+            self._offer(req)
+        self._extras()
+        self.call(
+            "on_schedule_end()",
+            lambda m, i: m.on_schedule_end(ScheduleEnd(new_req_ids=new, preempted_req_ids=[])),
+        )
+        self.check_state()
+
+    def _arrive(self, new: list[str]) -> _Request:
+        rng = self.rng
+        keys: list[bytes] = []
+        for doc in rng.sample(self.doc_list, rng.randint(1, 2)):
+            keys += doc[: rng.randint(1, len(doc))]
+        keys += [_driver.key(rng.randrange(10**6, 2 * 10**6)) for _ in range(rng.randint(0, 6))]
+        keys = list(dict.fromkeys(keys))
+        rid = f"r{self.next_rid}"
+        self.next_rid += 1
+        ctxs = []
+        for _ in self.managers:
+            ctx = self.oracle.ReqContext(req_id=rid)
+            for j, k in enumerate(keys):
+                ctx.set_offload_key_position(k, 16 * (j + 1))
+            ctxs.append(ctx)
+        req = _Request(rid, keys, ctxs)
+        self.call(f"on_new_request({rid})", lambda m, i: m.on_new_request(req.ctxs[i]))
+        new.append(rid)
+        return req
+
+    def _admit(self, req: _Request) -> None:
+        hits, stopped = 0, None
+        for k in req.keys:
+            res = self.call(
+                f"lookup({req.rid}, {_driver.key_name(k)})",
+                _on(req, "lookup", k),
+            )
+            if res.name != "HIT":
+                stopped = res.name
+                break
+            hits += 1
+        if stopped in ("HIT_PENDING", "RETRY") and req.waits < 2 and self.rng.random() < 0.8:
+            req.waits += 1
+            return  # waits for the key being stored or promoted
+        self.waiting.remove(req)
+        # A later key's promotion may have evicted an earlier hit to make room (vLLM's lookup
+        # allocates in the primary tier): only the keys still readable there are loaded.
+        primary, ctx = self.managers[0].primary_tier, req.ctxs[0]
+        still = [primary.lookup(k, ctx).name == "HIT" for k in req.keys[:hits]]
+        hits = still.index(False) if False in still else hits
+        if hits:
+            hit = req.keys[:hits]
+            for k in hit[: self.rng.randint(0, 2)]:
+                self.call(
+                    f"get_load_source({req.rid}, {_driver.key_name(k)})",
+                    _on(req, "get_load_source", k),
+                )
+            self.call(f"prepare_load({req.rid}, {hits})", _on(req, "prepare_load", hit))
+            self.call(f"touch({req.rid}, {hits})", _on(req, "touch", hit))
+            self.loads.append((req, hit))
+        req.offered = hits
+        self.running.append(req)
+
+    def _offer(self, req: _Request) -> None:
+        batch = req.keys[req.offered : req.offered + self.rng.randint(1, 8)]
+        req.offered += len(batch)
+        if batch:
+            out = self.call(
+                f"prepare_store({req.rid}, {len(batch)})", _on(req, "prepare_store", batch)
+            )
+            if out is not None and out.keys_to_store:
+                self.stores.append((req, list(out.keys_to_store)))
+        if req.offered >= len(req.keys):
+            self.running.remove(req)
+            self.call(f"on_request_finished({req.rid})", _on(req, "on_request_finished"))
+
+    def _extras(self) -> None:
+        rng = self.rng
+        if rng.random() < 0.3:
+            doc = rng.choice(self.doc_list)
+            k = rng.choice(doc)
+            req = rng.choice(self.running) if self.running else None
+            if req is not None:
+                self.call(f"lookup({req.rid}, {_driver.key_name(k)})", _on(req, "lookup", k))
+        if rng.random() < 0.2:
+            self.call("take_events()", lambda m, i: list(m.take_events()))
+        if rng.random() < 0.1:
+            self.call("get_stats()", lambda m, i: _timeless(m.get_stats()))
+        if rng.random() < 0.1:
+            self.call("config_info()", lambda m, i: m.config_info())
+        if rng.random() < 0.01 and not self.loads and not self.stores:
+            self.call("reset_cache()", lambda m, i: m.reset_cache())
+            self.reset_pending = True
+
+    def run(self, steps: int) -> None:
+        """Run ``steps`` steps, then shut the managers down."""
+        try:
+            for _ in range(steps):
+                self.step()
+        finally:
+            for m in self.managers:
+                m.shutdown()
+
+
+def _timeless(stats: Any) -> Any:
+    """A stats report's metrics, each series of times (``*_seconds``, measured with the clock)
+    replaced by how many times it holds: the rest must be equal."""
+    if stats is None:
+        return None
+    data = stats.data["data"]
+    return {
+        name: {labels: len(v) for labels, v in series.items()}
+        if name.endswith("_seconds")
+        else series
+        for name, series in data.items()
+    }
+
+
+def _on(req: _Request, name: str, *args: Any) -> Callable[[Any, int], Any]:
+    """A call of method ``name`` with ``args`` and the request's context of each manager."""
+    if name == "complete_store":
+        keys, ok = args
+        return lambda m, i: m.complete_store(keys, req.ctxs[i], ok)
+    return lambda m, i: getattr(m, name)(*args, req.ctxs[i])
+
+
+def run_pair(
+    oracle: Any, seed: int, steps: int, num_chunks: int, extra: dict[str, Any]
+) -> list[str]:
+    """Run vLLM's tiering manager and kvoffload's side by side (raises `TieringMismatch`);
+    the paths of their shared regions (gone once they have shut down)."""
+    names = ("vllm", "kvoffload")
+    managers = [build(oracle, name, num_chunks, extra) for name in names]
+    paths = [m.primary_tier._mmap_region.mmap_path for m in managers]
+    TieringRun(oracle, managers, names, seed).run(steps)
+    return paths

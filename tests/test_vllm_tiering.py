@@ -1,0 +1,168 @@
+"""kvoffload's manager as the CPU primary tier of vLLM 0.33.0's tiering offloading.
+
+``KVOffloadTieringOffloadingSpec`` is vLLM's ``TieringOffloadingSpec`` with kvoffload's manager
+(``KVOffloadCPUPrimaryTier``) in place of vLLM's ``CPUPrimaryTierOffloadingManager``; the
+secondary tiers and vLLM's ``TieringOffloadingManager`` between them are vLLM's own. The
+differential runs (``tests/_tiering.py``) drive a tiering manager of each spec side by side
+through a seeded scheduler, with vLLM's example tier and a scripted one that is slow, fails,
+forgets, and asks for request-level offloading, and compare every answer and, after each step,
+both primary tiers' state and the secondary tiers' contents.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+import _driver
+import _tiering
+from _vllm import make_spec, offloading_config
+from kvoffload import InvalidArgumentError
+
+TIERING = {
+    "spec_name": "KVOffloadTieringOffloadingSpec",
+    "spec_module_path": "kvoffload.integrations.vllm",
+    "tier_poll_interval_s": 0,
+}
+
+
+@pytest.mark.parametrize("setup", sorted(_tiering.SETUPS))
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("num_chunks", [6, 16, 40])
+def test_tiering_with_kvoffloads_primary_tier_matches_vllms(
+    oracle: Any, setup: str, policy: str, num_chunks: int
+) -> None:
+    for seed in range(3):
+        extra = {"eviction_policy": policy, "secondary_tiers": _tiering.SETUPS[setup]()}
+        paths = _tiering.run_pair(oracle, seed, 60, num_chunks, extra)
+        assert not any(map(os.path.exists, paths))  # each manager removed its region
+
+
+def test_the_spec_builds_vllms_tiering_manager_around_kvoffloads_primary_tier(
+    oracle: Any, vllm_mod: Any
+) -> None:
+    spec = make_spec(oracle, 8, {**TIERING, "secondary_tiers": [{"type": "example"}]})
+    assert type(spec) is vllm_mod.KVOffloadTieringOffloadingSpec
+    manager = spec.get_manager()
+    try:
+        assert manager is spec.get_manager()
+        assert type(manager).__name__ == "TieringOffloadingManager"
+        primary = manager.primary_tier
+        assert type(primary) is vllm_mod.KVOffloadCPUPrimaryTier
+        assert isinstance(primary, vllm_mod.KVOffloadCPUOffloadingManager)
+        # The secondary tiers' names for the calls are the core's own methods.
+        assert primary.complete_read == primary._core.complete_load
+        assert primary.prepare_write == primary._core.prepare_store
+        assert primary.complete_write == primary._core.complete_store
+        assert primary.prepare_read == primary._core.prepare_read
+        view = primary.get_kv_memoryview()
+        assert view.shape is not None
+        assert view.shape[0] == 8
+        # vLLM's own spec reports the same config.
+        theirs = make_spec(
+            oracle,
+            8,
+            {
+                "spec_name": "TieringOffloadingSpec",
+                "tier_poll_interval_s": 0,
+                "secondary_tiers": [{"type": "example"}],
+            },
+        )
+        assert type(theirs).__name__ == "TieringOffloadingSpec"
+        their_manager = theirs.get_manager()
+        try:
+            assert manager.config_info() == their_manager.config_info()
+        finally:
+            their_manager.shutdown()
+    finally:
+        manager.shutdown()
+
+
+def test_a_policy_kvoffload_does_not_run_gets_vllms_primary_tier(oracle: Any) -> None:
+    extra = {
+        **TIERING,
+        "eviction_policy": "RustLRU",
+        "cache_policy_module_path": "kvoffload.integrations.vllm",
+    }
+    manager = make_spec(oracle, 8, extra).get_manager()
+    try:
+        assert type(manager.primary_tier).__name__ == "CPUPrimaryTierOffloadingManager"
+    finally:
+        manager.shutdown()
+
+
+def test_pending_write_timeout_reaches_kvoffloads_primary_tier(oracle: Any) -> None:
+    manager = make_spec(oracle, 8, {**TIERING, "pending_write_timeout": 30}).get_manager()
+    try:
+        assert manager.primary_tier._pending_write_timeout == 30
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({"store_threshold": 2}, "store_threshold"),
+        (
+            {
+                "pending_write_timeout": 30,
+                "eviction_policy": "RustLRU",
+                "cache_policy_module_path": "kvoffload.integrations.vllm",
+            },
+            "pending_write_timeout",
+        ),
+    ],
+)
+def test_keys_the_tiering_primary_tier_cannot_honour_are_refused(
+    oracle: Any, extra: dict[str, Any], says: str
+) -> None:
+    spec = make_spec(oracle, 8, {**TIERING, **extra})
+    with pytest.raises(InvalidArgumentError, match=says):
+        spec.get_manager()
+    # vLLM's spec refuses the threshold too, as a ValueError (InvalidArgumentError is one).
+    if "store_threshold" in extra:
+        theirs = make_spec(oracle, 8, {"spec_name": "TieringOffloadingSpec", **extra})
+        with pytest.raises(ValueError, match="store_threshold"):
+            theirs.get_manager()
+
+
+def test_a_failed_build_releases_the_region_and_the_primary_tier(oracle: Any) -> None:
+    config = offloading_config(
+        oracle, 8, {**TIERING, "secondary_tiers": [{"type": "no-such-tier"}]}
+    )
+    spec = oracle.factory.OffloadingSpecFactory.create_spec(config)
+    with pytest.raises(ValueError, match="no-such-tier"):
+        spec.get_manager()
+    assert not os.path.exists(f"/dev/shm/vllm_offload_{config.engine_id}.mmap")
+    assert spec._scheduler_mmap is None
+    # A later call tries again (and fails the same way), as vLLM's spec would.
+    with pytest.raises(ValueError, match="no-such-tier"):
+        spec.get_manager()
+
+
+def test_difftest_tiering_mode_finds_a_primary_tier_that_records_its_reads(
+    oracle: Any,
+    vllm_mod: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    difftest = _driver._load_tool("difftest")
+    argv = ["--tiering", "--policies", "lru", "--setups", "request-level", "--chunks", "16"]
+    argv += ["--sequences", "4", "--steps", "60"]
+    assert difftest.main(argv) == 0
+    assert "lru@request-level chunks=16: 4 runs, 240 steps, 0 mismatches" in (
+        capsys.readouterr().out
+    )
+    # A read made as a load records the keys for the request: a request-level tier's cascade
+    # of keys the request did not store then re-ranks them, which vLLM's primary tier does not.
+    primary = vllm_mod.KVOffloadCPUPrimaryTier
+
+    def recording_read(self: Any, keys: Any, req_context: Any = None) -> Any:
+        return self.prepare_load(keys, req_context)
+
+    monkeypatch.setattr(primary, "prepare_read", recording_read, raising=False)
+    assert difftest.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "primary tier state differs (vllm vs kvoffload): ['policy_state']" in out
