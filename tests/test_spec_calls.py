@@ -245,7 +245,7 @@ def test_prepare_read_of_an_absent_or_pending_key_changes_nothing(
     m.prepare_store(ks(2), ctx)  # 2 pending
     before = (m.resident(), m.policy_state())
     for bad in (2, 3):
-        with pytest.raises(KeyStateError):
+        with pytest.raises(KeyStateError, match="cannot read"):
             m.prepare_read(ks(1, bad), ctx)
         assert (m.resident(), m.policy_state()) == before
     m.check_invariants()

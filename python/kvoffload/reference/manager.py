@@ -382,7 +382,7 @@ class CPUOffloadingManager:
     def prepare_load(self, keys: Iterable[bytes], req_context: RequestContext) -> CPULoadStoreSpec:
         """Pin readable keys (a repeated key is pinned twice); their ids line up with ``keys``."""
         key_list = _as_keys(keys)
-        statuses = self._readable(key_list)
+        statuses = self._readable(key_list, "load")
         self._check_recordable(req_context, key_list)
         # The state first: a context whose set_state raises leaves nothing pinned.
         state = self._recording_state(req_context)
@@ -402,18 +402,18 @@ class CPUOffloadingManager:
         The context is not read; `complete_load` releases the pins.
         """
         key_list = _as_keys(keys)
-        statuses = self._readable(key_list)
+        statuses = self._readable(key_list, "read")
         self._pin(key_list, statuses)
         return CPULoadStoreSpec([status.chunk_id for status in statuses])
 
-    def _readable(self, key_list: list[bytes]) -> list[ChunkStatus]:
-        """Each key's status, all of them readable (else `KeyStateError`, nothing changed)."""
+    def _readable(self, key_list: list[bytes], verb: str) -> list[ChunkStatus]:
+        """Each key's status, all of them readable (else `KeyStateError`: cannot ``verb``)."""
         statuses = []
         for key in key_list:
             status = self._policy.get(key)
             if status is None or not status.is_ready:
                 what = "absent" if status is None else "pending"
-                raise KeyStateError(f"cannot load key {key!r}: it is {what}")
+                raise KeyStateError(f"cannot {verb} key {key!r}: it is {what}")
             statuses.append(status)
         return statuses
 

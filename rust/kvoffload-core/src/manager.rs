@@ -581,7 +581,8 @@ impl Manager {
             let (Some(c), None) = (c, wrong) else {
                 clear_marks(&mut self.marks, chunks.iter().copied());
                 return Err(CoreError::KeyState(format!(
-                    "cannot load {}: {}",
+                    "cannot {} {}: {}",
+                    if request.is_some() { "load" } else { "read" },
                     show_key(k),
                     wrong.unwrap_or_default()
                 )));
