@@ -16,7 +16,10 @@ its keys are offered; now and then a lookup of any key, events, stats or a reset
 ``on_schedule_end``. The tiers interact the way they do in vLLM: a completed store is cascaded
 to the secondary tier (``prepare_read`` of the primary, then ``complete_read`` when the copy
 completes), and a key evicted from the primary tier but held by the secondary one is promoted
-back by a lookup (``prepare_write``, then ``complete_write``).
+back by a lookup (``prepare_write``, then ``complete_write``). The driver plays the worker as
+well: a store writes each key's bytes into its chunk's row of the shared region, and when every
+secondary tier copies bytes (``ScriptedTier`` does, vLLM's example tier does not) each load
+checks that its chunks' rows hold its keys, however the chunks got there.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 import _driver
 from _vllm import offloading_config
@@ -47,6 +52,8 @@ SPECS: dict[str, dict[str, str]] = {
 TIERS_MODULE = "kvoffload_test_tiers"
 
 _SCRIPTED_TIER = '''
+import numpy as np
+
 from vllm.v1.kv_offload.base import OffloadPolicy, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
@@ -62,13 +69,20 @@ class ScriptedTier(ExampleSecondaryTierManager):
     - ``fail_every``: a store job whose id is a multiple fails (nothing kept); a promotion
       whose id is a multiple fails, for its second half of keys when it has two or more;
     - ``capacity``: at most that many keys, the oldest dropped first (0: no limit).
+
+    Unlike the example tier it copies the bytes: a store reads each chunk's row of the primary
+    tier's view, a promotion writes them back into the row of the chunk the primary allocated.
     """
+
+    copies = True
 
     def __init__(self, *args, request_level_every=0, delay=0, fail_every=0, capacity=0, **kw):
         super().__init__(*args, **kw)
         self.request_level_every, self.delay = request_level_every, delay
         self.fail_every, self.capacity = fail_every, capacity
         self.held = []  # [steps left, JobResult]
+        self.rows = np.asarray(self._primary_kv_view)
+        self.data = {}
 
     def _fails(self, job_id):
         return self.fail_every and job_id % self.fail_every == 0
@@ -84,8 +98,11 @@ class ScriptedTier(ExampleSecondaryTierManager):
             self.completed_jobs.append(JobResult(job_id=job.job_id, success=False))
         else:
             super().submit_store(job)
+            for key, c in zip(job.keys, job.chunk_ids):
+                self.data[key] = self.rows[int(c)].tobytes()
             while self.capacity and len(self.chunks) > self.capacity:
-                del self.chunks[next(iter(self.chunks))]
+                oldest = next(iter(self.chunks))
+                del self.chunks[oldest], self.data[oldest]
         self._hold()
 
     def submit_load(self, job):
@@ -95,8 +112,13 @@ class ScriptedTier(ExampleSecondaryTierManager):
             self.completed_jobs.append(
                 JobResult(job_id=job.job_id, success=False, successful_keys=half or None)
             )
+            copied = half
         else:
             super().submit_load(job)
+            copied = keys if all(k in self.chunks for k in keys) else []
+        for key, c in zip(job.keys, job.chunk_ids):
+            if key in copied:
+                self.rows[int(c)] = np.frombuffer(self.data[key], dtype=self.rows.dtype)
         self._hold()
 
     def _hold(self):
@@ -118,6 +140,10 @@ class ScriptedTier(ExampleSecondaryTierManager):
     def drain_jobs(self):
         for h in self.held:
             h[0] = 0
+
+    def shutdown(self):
+        super().shutdown()
+        self.rows = None  # the region may be unmapped now
 '''
 
 
@@ -217,6 +243,13 @@ class TieringRun:
         self.stores: list[tuple[_Request, list[bytes]]] = []
         self.next_rid = 0
         self.reset_pending = False
+        # The worker's side: each manager's region, one row per chunk. A store writes its keys
+        # into their chunks' rows; a load's rows must hold its keys, wherever each chunk has
+        # been since (checked when every secondary tier copies bytes, as ScriptedTier does).
+        self.rows = [np.asarray(m.primary_tier.get_kv_memoryview()) for m in self.managers]
+        self.check_data = all(
+            getattr(t, "copies", False) for m in self.managers for t in m.secondary_tiers
+        )
 
     # --- calls, compared ---
 
@@ -339,7 +372,9 @@ class TieringRun:
                     f"get_load_source({req.rid}, {_driver.key_name(k)})",
                     _on(req, "get_load_source", k),
                 )
-            self.call(f"prepare_load({req.rid}, {hits})", _on(req, "prepare_load", hit))
+            spec = self.call(f"prepare_load({req.rid}, {hits})", _on(req, "prepare_load", hit))
+            if self.check_data:
+                self._check_rows(hit, spec.chunk_ids)
             self.call(f"touch({req.rid}, {hits})", _on(req, "touch", hit))
             self.loads.append((req, hit))
         req.offered = hits
@@ -354,9 +389,19 @@ class TieringRun:
             )
             if out is not None and out.keys_to_store:
                 self.stores.append((req, list(out.keys_to_store)))
+                for rows in self.rows:  # the worker copies the blocks in
+                    for k, c in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
+                        rows[c] = 0
+                        rows[c, : len(k)] = np.frombuffer(k, dtype=rows.dtype)
         if req.offered >= len(req.keys):
             self.running.remove(req)
             self.call(f"on_request_finished({req.rid})", _on(req, "on_request_finished"))
+
+    def _check_rows(self, keys: Sequence[bytes], chunks: Any) -> None:
+        for name, rows in zip(self.names, self.rows, strict=True):
+            for k, c in zip(keys, chunks, strict=True):
+                if rows[c, : len(k)].tobytes() != k:
+                    self.fail(f"{name}: chunk {c} does not hold {_driver.key_name(k)}'s bytes")
 
     def _extras(self) -> None:
         rng = self.rng
@@ -382,6 +427,7 @@ class TieringRun:
             for _ in range(steps):
                 self.step()
         finally:
+            self.rows = []  # the regions are unmapped at shutdown
             for m in self.managers:
                 m.shutdown()
 
