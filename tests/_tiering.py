@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import sys
+import time
 import types
 import uuid
 from collections.abc import Callable, Sequence
@@ -224,6 +225,11 @@ class TieringRun:
     #: Documents the prompts are drawn from (shared prefixes) and their lengths in keys.
     docs: int = 4
     doc_keys: tuple[int, int] = (4, 24)
+    #: New requests a step (drawn from these) and keys a store offers (a range).
+    arrivals: tuple[int, ...] = (0, 1, 1, 2)
+    batch: tuple[int, int] = (1, 8)
+    #: After each step, compare the managers' state (off for timing: ``benches/vllm_tiering.py``).
+    inspect: bool = True
     history: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -243,6 +249,9 @@ class TieringRun:
         self.stores: list[tuple[_Request, list[bytes]]] = []
         self.next_rid = 0
         self.reset_pending = False
+        #: Nanoseconds each manager spent in its calls, in all and in each step.
+        self.ns = [0] * len(self.managers)
+        self.step_ns: list[list[int]] = []
         # The worker's side: each manager's region, one row per chunk. A store writes its keys
         # into their chunks' rows; a load's rows must hold its keys, wherever each chunk has
         # been since (checked when every secondary tier copies bytes, as ScriptedTier does).
@@ -257,9 +266,12 @@ class TieringRun:
         """Run ``run(manager, i)`` on each manager; their canonical answers must agree. Returns
         the first manager's raw answer."""
         answers, raw = [], []
+        clock = time.perf_counter_ns
         for i, m in enumerate(self.managers):
             try:
+                t0 = clock()
                 out = run(m, i)
+                self.ns[i] += clock() - t0
                 answers.append(_driver.canon(out))
             except Exception as e:  # compared like an answer
                 out = None
@@ -299,6 +311,7 @@ class TieringRun:
     def step(self) -> None:
         """One scheduler step (see the module's docstring)."""
         rng, ScheduleEnd = self.rng, self.base.ScheduleEndContext
+        start = list(self.ns)
         for req, keys in self.loads:
             self.call(f"complete_load({req.rid}, {len(keys)})", _on(req, "complete_load", keys))
         for req, keys in self.stores:
@@ -312,7 +325,7 @@ class TieringRun:
             self.call("on_reset_flushed()", lambda m, i: m.on_reset_flushed())
             self.reset_pending = False
         new: list[str] = []
-        for _ in range(rng.choice((0, 1, 1, 2))):
+        for _ in range(rng.choice(self.arrivals)):
             self.waiting.append(self._arrive(new))
         for req in list(self.waiting):
             self._admit(req)
@@ -323,7 +336,9 @@ class TieringRun:
             "on_schedule_end()",
             lambda m, i: m.on_schedule_end(ScheduleEnd(new_req_ids=new, preempted_req_ids=[])),
         )
-        self.check_state()
+        self.step_ns.append([b - a for a, b in zip(start, self.ns, strict=True)])
+        if self.inspect:
+            self.check_state()
 
     def _arrive(self, new: list[str]) -> _Request:
         rng = self.rng
@@ -381,7 +396,7 @@ class TieringRun:
         self.running.append(req)
 
     def _offer(self, req: _Request) -> None:
-        batch = req.keys[req.offered : req.offered + self.rng.randint(1, 8)]
+        batch = req.keys[req.offered : req.offered + self.rng.randint(*self.batch)]
         req.offered += len(batch)
         if batch:
             out = self.call(
