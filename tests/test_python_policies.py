@@ -851,9 +851,10 @@ def test_both_managers_complete_or_undo_a_call_whose_policy_raises(name: str, sk
     assert seen[0] == seen[1]
 
 
-def test_a_load_whose_report_raises_reports_released_what_it_pinned() -> None:
+@pytest.mark.parametrize("call", ["prepare_load", "prepare_read"])
+def test_a_load_whose_report_raises_reports_released_what_it_pinned(call: str) -> None:
     """The policy hears of each pin taken back (last first); the key whose report raised is
-    released unreported; in both managers."""
+    released unreported; in both managers, for a load and for a read alike."""
     seen = []
     for manager_cls in (CPUOffloadingManager, ReferenceManager):
         m = _countdown_manager(manager_cls, 8)
@@ -865,7 +866,7 @@ def test_a_load_whose_report_raises_reports_released_what_it_pinned() -> None:
         m.policy.fail_in, m.policy.skip = "mark_non_evictable", 2
         m.policy.calls.clear()
         with pytest.raises(RuntimeError, match="mark_non_evictable"):
-            m.prepare_load([_A, _B, _C, _A, _D, _E], ctx)
+            getattr(m, call)([_A, _B, _C, _A, _D, _E], ctx)
         assert m.policy.calls == ["mark_non_evictable"] * 3 + ["mark_evictable"] * 2
         assert _snapshot(m) == before
         _policy_agrees(m)
