@@ -12,16 +12,19 @@ Example::
 Each thread has its own requests and keys, and all threads also offer a set of shared keys.
 Per request: ``on_new_request``, ``lookup`` (two keys), ``lookup_prefix``, ``prepare_load`` /
 ``touch`` / ``complete_load`` of the hits, ``prepare_store`` / ``complete_store`` (10% failing)
-of the rest, ``on_request_finished``; now and then ``get_stats`` and ``take_events``, and thread
-0 rarely ``reset_cache``. With ``--host`` each thread also, every few requests, submits a store
-and a load job on its own HostPool chunks, waits, gathers and scatters, and checks every byte.
+of the rest (and, for a third of the stores that succeed, a copy to another tier:
+``prepare_read`` / ``complete_load`` of the stored keys), ``on_request_finished``; now and then
+``get_stats`` and ``take_events``, and thread 0 rarely ``reset_cache``. With ``--host`` each
+thread also, every few requests, submits a store and a load job on its own HostPool chunks,
+waits, gathers and scatters, and checks every byte.
 With ``--tier POLICY`` the threads share a second manager too, which every request also uses on
 its context before it finishes (``lookup_prefix`` and a store), as a second offloading tier
 would: its state replaces the first manager's on the context, so the first manager's next store
 makes a fresh one (taking up its LRU rank again).
 
 The only exceptions allowed are ``KeyStateError`` from ``prepare_load`` (another thread evicted
-the keys since this thread's ``lookup_prefix``: a legal outcome that changes nothing) and from
+the keys since this thread's ``lookup_prefix``: a legal outcome that changes nothing) or
+``prepare_read`` (evicted since the store completed), and from
 ``complete_load`` (another thread reset the cache since the load was prepared). Anything else,
 a thread still running past the deadline (a hang), a broken invariant or a wrong byte is a
 failure; the command exits 1 on any. ``tests/test_threads.py`` runs this for a few seconds.
@@ -195,6 +198,20 @@ class Worker:
             success = self.rng.random() < 0.9
             name = prefix + "complete_store"
             self.call(name, m.complete_store, out.keys_to_store, ctx, success)
+            if success and self.rng.random() < 0.3:
+                self.copy_out(m, out.keys_to_store, ctx, prefix)
+
+    def copy_out(self, m: Any, keys: list[bytes], ctx: ReqContext, prefix: str) -> None:
+        """Another tier's copy of stored keys: a read that records no access, then its end."""
+        try:
+            self.call(prefix + "prepare_read", m.prepare_read, keys, ctx)
+        except KeyStateError:
+            self.load_races += 1  # evicted by another thread since the store completed
+            return
+        try:
+            self.call(prefix + "complete_load", m.complete_load, keys, ctx)
+        except KeyStateError:
+            self.reset_races += 1  # another thread reset the cache since the read
 
     def run(self) -> None:
         """Requests (and host rounds) until the deadline; an exception ends the thread."""
