@@ -175,9 +175,15 @@ SETUPS: dict[str, Callable[[], list[dict[str, Any]]]] = {
 
 
 def build(oracle: Any, impl: str, num_chunks: int, extra: dict[str, Any]) -> Any:
-    """A tiering manager of ``impl`` over ``num_chunks`` chunks, built by its spec through vLLM's
-    ``OffloadingSpecFactory``, with one ``example`` secondary tier unless ``extra`` says
-    otherwise (the tier-poll thread off)."""
+    """A tiering manager of ``impl`` over ``num_chunks`` chunks (see `make_spec`)."""
+    return make_spec(oracle, impl, num_chunks, extra).get_manager()
+
+
+def make_spec(oracle: Any, impl: str, num_chunks: int, extra: dict[str, Any]) -> Any:
+    """The tiering spec of ``impl`` that vLLM's ``OffloadingSpecFactory`` builds, for
+    ``num_chunks`` chunks, with one ``example`` secondary tier unless ``extra`` says otherwise
+    (the tier-poll thread off) and an engine of its own (the spec names its shared memory file
+    after the engine)."""
     extra = {
         "tier_poll_interval_s": 0,
         "secondary_tiers": [{"type": "example"}],
@@ -187,9 +193,8 @@ def build(oracle: Any, impl: str, num_chunks: int, extra: dict[str, Any]) -> Any
     if impl == "vllm":
         extra["spec_name"] = "TieringOffloadingSpec"
     config = offloading_config(oracle, num_chunks, extra)
-    # A region of its own: the spec names its shared memory file after the engine.
     config = dataclasses.replace(config, engine_id=f"kvoffload-test-{uuid.uuid4().hex}")
-    return oracle.factory.OffloadingSpecFactory.create_spec(config).get_manager()
+    return oracle.factory.OffloadingSpecFactory.create_spec(config)
 
 
 def primary_state(oracle_mod: Any, manager: Any) -> dict[str, Any]:

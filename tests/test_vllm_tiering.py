@@ -18,13 +18,12 @@ import pytest
 
 import _driver
 import _tiering
-from _vllm import make_spec, offloading_config
 from kvoffload import InvalidArgumentError
 
-TIERING = {
-    "spec_name": "KVOffloadTieringOffloadingSpec",
-    "spec_module_path": "kvoffload.integrations.vllm",
-    "tier_poll_interval_s": 0,
+#: A non-kvoffload policy: the tiering spec hands it to vLLM's own primary tier.
+VLLMS_POLICY = {
+    "eviction_policy": "RustLRU",
+    "cache_policy_module_path": "kvoffload.integrations.vllm",
 }
 
 
@@ -43,7 +42,7 @@ def test_tiering_with_kvoffloads_primary_tier_matches_vllms(
 def test_the_spec_builds_vllms_tiering_manager_around_kvoffloads_primary_tier(
     oracle: Any, vllm_mod: Any
 ) -> None:
-    spec = make_spec(oracle, 8, {**TIERING, "secondary_tiers": [{"type": "example"}]})
+    spec = _tiering.make_spec(oracle, "kvoffload", 8, {})
     assert type(spec) is vllm_mod.KVOffloadTieringOffloadingSpec
     manager = spec.get_manager()
     try:
@@ -61,15 +60,7 @@ def test_the_spec_builds_vllms_tiering_manager_around_kvoffloads_primary_tier(
         assert view.shape is not None
         assert view.shape[0] == 8
         # vLLM's own spec reports the same config.
-        theirs = make_spec(
-            oracle,
-            8,
-            {
-                "spec_name": "TieringOffloadingSpec",
-                "tier_poll_interval_s": 0,
-                "secondary_tiers": [{"type": "example"}],
-            },
-        )
+        theirs = _tiering.make_spec(oracle, "vllm", 8, {})
         assert type(theirs).__name__ == "TieringOffloadingSpec"
         their_manager = theirs.get_manager()
         try:
@@ -81,12 +72,7 @@ def test_the_spec_builds_vllms_tiering_manager_around_kvoffloads_primary_tier(
 
 
 def test_a_policy_kvoffload_does_not_run_gets_vllms_primary_tier(oracle: Any) -> None:
-    extra = {
-        **TIERING,
-        "eviction_policy": "RustLRU",
-        "cache_policy_module_path": "kvoffload.integrations.vllm",
-    }
-    manager = make_spec(oracle, 8, extra).get_manager()
+    manager = _tiering.build(oracle, "kvoffload", 8, VLLMS_POLICY)
     try:
         assert type(manager.primary_tier).__name__ == "CPUPrimaryTierOffloadingManager"
     finally:
@@ -94,7 +80,7 @@ def test_a_policy_kvoffload_does_not_run_gets_vllms_primary_tier(oracle: Any) ->
 
 
 def test_pending_write_timeout_reaches_kvoffloads_primary_tier(oracle: Any) -> None:
-    manager = make_spec(oracle, 8, {**TIERING, "pending_write_timeout": 30}).get_manager()
+    manager = _tiering.build(oracle, "kvoffload", 8, {"pending_write_timeout": 30})
     try:
         assert manager.primary_tier._pending_write_timeout == 30
     finally:
@@ -105,37 +91,28 @@ def test_pending_write_timeout_reaches_kvoffloads_primary_tier(oracle: Any) -> N
     ("extra", "says"),
     [
         ({"store_threshold": 2}, "store_threshold"),
-        (
-            {
-                "pending_write_timeout": 30,
-                "eviction_policy": "RustLRU",
-                "cache_policy_module_path": "kvoffload.integrations.vllm",
-            },
-            "pending_write_timeout",
-        ),
+        ({"pending_write_timeout": 30, **VLLMS_POLICY}, "pending_write_timeout"),
     ],
 )
 def test_keys_the_tiering_primary_tier_cannot_honour_are_refused(
     oracle: Any, extra: dict[str, Any], says: str
 ) -> None:
-    spec = make_spec(oracle, 8, {**TIERING, **extra})
+    spec = _tiering.make_spec(oracle, "kvoffload", 8, extra)
     with pytest.raises(InvalidArgumentError, match=says):
         spec.get_manager()
     # vLLM's spec refuses the threshold too, as a ValueError (InvalidArgumentError is one).
     if "store_threshold" in extra:
-        theirs = make_spec(oracle, 8, {"spec_name": "TieringOffloadingSpec", **extra})
+        theirs = _tiering.make_spec(oracle, "vllm", 8, extra)
         with pytest.raises(ValueError, match="store_threshold"):
             theirs.get_manager()
 
 
 def test_a_failed_build_releases_the_region_and_the_primary_tier(oracle: Any) -> None:
-    config = offloading_config(
-        oracle, 8, {**TIERING, "secondary_tiers": [{"type": "no-such-tier"}]}
-    )
-    spec = oracle.factory.OffloadingSpecFactory.create_spec(config)
+    extra = {"secondary_tiers": [{"type": "no-such-tier"}]}
+    spec = _tiering.make_spec(oracle, "kvoffload", 8, extra)
     with pytest.raises(ValueError, match="no-such-tier"):
         spec.get_manager()
-    assert not os.path.exists(f"/dev/shm/vllm_offload_{config.engine_id}.mmap")
+    assert not os.path.exists(f"/dev/shm/vllm_offload_{spec.config.engine_id}.mmap")
     assert spec._scheduler_mmap is None
     # A later call tries again (and fails the same way), as vLLM's spec would.
     with pytest.raises(ValueError, match="no-such-tier"):
