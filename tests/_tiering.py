@@ -55,7 +55,12 @@ TIERS_MODULE = "kvoffload_test_tiers"
 _SCRIPTED_TIER = '''
 import numpy as np
 
-from vllm.v1.kv_offload.base import OffloadPolicy, RequestOffloadingContext
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadPolicy,
+    ReqContext,
+    RequestOffloadingContext,
+)
 from vllm.v1.kv_offload.tiering.base import JobResult
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
 
@@ -69,7 +74,12 @@ class ScriptedTier(ExampleSecondaryTierManager):
     - ``delay``: a job's completion is reported only after that many ``on_schedule_end`` calls;
     - ``fail_every``: a store job whose id is a multiple fails (nothing kept); a promotion
       whose id is a multiple fails, for its second half of keys when it has two or more;
-    - ``capacity``: at most that many keys, the oldest dropped first (0: no limit).
+    - ``capacity``: at most that many keys, the oldest dropped first (0: no limit);
+    - ``serve_every``: every that many steps a peer asks for the four keys this tier stored
+      last, as a peer-to-peer tier's peers do: through the parent manager, a new request, a
+      lookup of each (a primary miss may start a promotion), a store job of the hits (the
+      primary tier's ``prepare_read``, pins released when the job completes) and the
+      request's finish.
 
     Unlike the example tier it copies the bytes: a store reads each chunk's row of the primary
     tier's view, a promotion writes them back into the row of the chunk the primary allocated.
@@ -77,10 +87,20 @@ class ScriptedTier(ExampleSecondaryTierManager):
 
     copies = True
 
-    def __init__(self, *args, request_level_every=0, delay=0, fail_every=0, capacity=0, **kw):
+    def __init__(
+        self,
+        *args,
+        request_level_every=0,
+        delay=0,
+        fail_every=0,
+        capacity=0,
+        serve_every=0,
+        **kw,
+    ):
         super().__init__(*args, **kw)
         self.request_level_every, self.delay = request_level_every, delay
         self.fail_every, self.capacity = fail_every, capacity
+        self.serve_every, self.serves = serve_every, 0
         self.held = []  # [steps left, JobResult]
         self.rows = np.asarray(self._primary_kv_view)
         self.data = {}
@@ -130,6 +150,18 @@ class ScriptedTier(ExampleSecondaryTierManager):
         for h in self.held:
             h[0] -= 1
 
+    def serve_external_requests(self, parent):
+        self.serves += 1
+        if not self.serve_every or self.serves % self.serve_every or not self.chunks:
+            return
+        ctx = ReqContext(req_id=f"p{self.serves}")
+        parent.on_new_request(ctx)
+        hits = [k for k in list(self.chunks)[-4:] if parent.lookup(k, ctx) is LookupResult.HIT]
+        if hits:
+            job = parent.create_store_job(hits, ctx)
+            self.held.append([self.delay, JobResult(job_id=job.job_id, success=True)])
+        parent.on_request_finished(ctx)
+
     def get_finished_jobs(self):
         done = [r for left, r in self.held if left <= 0]
         self.held = [h for h in self.held if h[0] > 0]
@@ -171,6 +203,7 @@ SETUPS: dict[str, Callable[[], list[dict[str, Any]]]] = {
         {"type": "example"},
         scripted_tier(request_level_every=3, fail_every=4, delay=1, capacity=20),
     ],
+    "serving": lambda: [scripted_tier(serve_every=2, delay=1, capacity=40)],
 }
 
 
