@@ -955,12 +955,7 @@ class Generator:
             readable = [k for k in prompt if model.readable(k)]
         if model.locked(req):
             readable = [k for k in readable if k in req.seen]
-        if not readable:
-            return None
-        keys = self._window(ch, readable)
-        if ch.chance(0.05):
-            keys.append(ch.pick(keys))
-        return Op("prepare_load", req.rid, tuple(self._arrange(ch, keys)))
+        return self._pin_op(ch, "prepare_load", req, readable)
 
     def _prepare_read(self, ch: Chooser) -> Op | None:
         # A tier's copy of stored keys: often the keys a store of the request just completed,
@@ -973,12 +968,16 @@ class Generator:
             readable = [k for k in keys if model.readable(k)]
         else:
             readable = [k for k in prompt if model.readable(k)]
+        return self._pin_op(ch, "prepare_read", req, readable)
+
+    def _pin_op(self, ch: Chooser, kind: str, req: Req, readable: list[bytes]) -> Op | None:
+        """A ``kind`` call pinning a window of ``readable`` (now and then a key twice)."""
         if not readable:
             return None
         keys = self._window(ch, readable)
         if ch.chance(0.05):
             keys.append(ch.pick(keys))
-        return Op("prepare_read", req.rid, tuple(self._arrange(ch, keys)))
+        return Op(kind, req.rid, tuple(self._arrange(ch, keys)))
 
     def _complete_load(self, ch: Chooser) -> Op | None:
         if not self.model.loads:

@@ -229,19 +229,9 @@ def _build_spec() -> type:
                     "max_tracker_size": _int_key(extra, "max_tracker_size", 64_000),
                     "info": self.cpu_info,
                 }
-                timeout = extra.get(PENDING_WRITE_TIMEOUT_KEY)
+                expiry = _write_expiry(extra, self.eviction_policy, "manager")
                 if self.eviction_policy in KVOFFLOAD_POLICIES:
-                    if timeout is not None:
-                        kwargs["pending_write_timeout"] = timeout
-                    self._manager = manager_cls(**kwargs)
-                elif timeout is not None:
-                    # vLLM's manager has no write expiry: the key would be silently ignored.
-                    raise InvalidArgumentError(
-                        f"{PENDING_WRITE_TIMEOUT_KEY} needs one of kvoffload's built-in "
-                        f"policies {KVOFFLOAD_POLICIES}, run by kvoffload's manager; "
-                        f"eviction_policy {self.eviction_policy!r} runs in vLLM's manager, "
-                        "which has no write expiry"
-                    )
+                    self._manager = manager_cls(**kwargs, **expiry)
                 else:
                     self._manager = vllm_manager(**kwargs)
             return self._manager
@@ -343,14 +333,7 @@ def _build_tiering_spec() -> type:
                 raise InvalidArgumentError(
                     "store_threshold is not supported by the tiering spec (as in vLLM's)"
                 )
-            timeout = extra.get(PENDING_WRITE_TIMEOUT_KEY)
-            ours = self.eviction_policy in KVOFFLOAD_POLICIES
-            if timeout is not None and not ours:
-                raise InvalidArgumentError(
-                    f"{PENDING_WRITE_TIMEOUT_KEY} needs one of kvoffload's built-in policies "
-                    f"{KVOFFLOAD_POLICIES}; eviction_policy {self.eviction_policy!r} runs in "
-                    "vLLM's primary tier, which has no write expiry"
-                )
+            expiry = _write_expiry(extra, self.eviction_policy, "primary tier")
             region = primary = None
             tiers: list[Any] = []
             try:
@@ -371,10 +354,8 @@ def _build_tiering_spec() -> type:
                     "enable_events": self.kv_events_config.enable_kv_cache_events,
                     "info": self.cpu_info,
                 }
-                if ours:
-                    if timeout is not None:
-                        kwargs["pending_write_timeout"] = timeout
-                    primary = primary_cls(**kwargs)
+                if self.eviction_policy in KVOFFLOAD_POLICIES:
+                    primary = primary_cls(**kwargs, **expiry)
                 else:
                     primary = tiering_manager.CPUPrimaryTierOffloadingManager(**kwargs)
                 view = primary.get_kv_memoryview()
@@ -397,6 +378,24 @@ def _build_tiering_spec() -> type:
     KVOffloadTieringOffloadingSpec.__qualname__ = "KVOffloadTieringOffloadingSpec"
     KVOffloadTieringOffloadingSpec.__module__ = __name__
     return KVOffloadTieringOffloadingSpec
+
+
+def _write_expiry(extra: Any, policy: str, runner: str) -> dict[str, Any]:
+    """The constructor keyword of ``pending_write_timeout`` (none when the key is unset).
+
+    A policy kvoffload does not run goes to vLLM's own ``runner``, which has no write expiry:
+    the key would be silently ignored there, so it is refused.
+    """
+    timeout = extra.get(PENDING_WRITE_TIMEOUT_KEY)
+    if timeout is None:
+        return {}
+    if policy not in KVOFFLOAD_POLICIES:
+        raise InvalidArgumentError(
+            f"{PENDING_WRITE_TIMEOUT_KEY} needs one of kvoffload's built-in policies "
+            f"{KVOFFLOAD_POLICIES}, run by kvoffload's {runner}; eviction_policy {policy!r} "
+            f"runs in vLLM's {runner}, which has no write expiry"
+        )
+    return {"pending_write_timeout": timeout}
 
 
 def _release(tiers: list[Any], primary: Any, region: Any) -> None:
