@@ -24,6 +24,7 @@ checks that its chunks' rows hold its keys, however the chunks got there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import sys
@@ -53,6 +54,9 @@ SPECS: dict[str, dict[str, str]] = {
 TIERS_MODULE = "kvoffload_test_tiers"
 
 _SCRIPTED_TIER = '''
+import collections
+import threading
+
 import numpy as np
 
 from vllm.v1.kv_offload.base import (
@@ -177,6 +181,22 @@ class ScriptedTier(ExampleSecondaryTierManager):
     def shutdown(self):
         super().shutdown()
         self.rows = None  # the region may be unmapped now
+
+
+class PolledScriptedTier(ScriptedTier):
+    """A ``ScriptedTier`` that the tiering manager also services from its tier-poll thread
+    between steps (finished jobs collected, peers served), as vLLM's peer-to-peer tier is.
+    ``serving_threads`` counts its serves by thread ident."""
+
+    tolerates_off_thread_polling = True
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.serving_threads = collections.Counter()
+
+    def serve_external_requests(self, parent):
+        self.serving_threads[threading.get_ident()] += 1
+        super().serve_external_requests(parent)
 '''
 
 
@@ -189,9 +209,11 @@ def install_tiers() -> str:
     return TIERS_MODULE
 
 
-def scripted_tier(**rules: int) -> dict[str, Any]:
-    """A ``secondary_tiers`` entry: a ``ScriptedTier`` with ``rules``."""
-    return {"type": "ScriptedTier", "module_path": install_tiers(), **rules}
+def scripted_tier(*, polled: bool = False, **rules: int) -> dict[str, Any]:
+    """A ``secondary_tiers`` entry: a ``ScriptedTier`` with ``rules`` (a
+    ``PolledScriptedTier`` when ``polled``)."""
+    kind = "PolledScriptedTier" if polled else "ScriptedTier"
+    return {"type": kind, "module_path": install_tiers(), **rules}
 
 
 #: Secondary tiers of the differential runs, by name (``ScriptedTier``'s rules: see above).
@@ -268,6 +290,11 @@ class TieringRun:
     batch: tuple[int, int] = (1, 8)
     #: After each step, compare the managers' state (off for timing: ``benches/vllm_tiering.py``).
     inspect: bool = True
+    #: Hold each manager's ``lock`` through every step, and sleep ``pause`` seconds between
+    #: steps: the scheduler's side of the contract with a tier-poll thread, which enters the
+    #: manager between steps (a run with one then is no longer deterministic: one manager).
+    locked: bool = False
+    pause: float = 0.0
     history: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -347,7 +374,15 @@ class TieringRun:
     # --- the scheduler ---
 
     def step(self) -> None:
-        """One scheduler step (see the module's docstring)."""
+        """One scheduler step (see the module's docstring), the managers' locks held through
+        it when the run is `locked`."""
+        with contextlib.ExitStack() as held:
+            if self.locked:
+                for m in self.managers:
+                    held.enter_context(m.lock)
+            self._step()
+
+    def _step(self) -> None:
         rng, ScheduleEnd = self.rng, self.base.ScheduleEndContext
         start = list(self.ns)
         for req, keys in self.loads:
@@ -479,6 +514,8 @@ class TieringRun:
         try:
             for _ in range(steps):
                 self.step()
+                if self.pause:
+                    time.sleep(self.pause)  # the tier-poll thread's turn
         finally:
             self.rows = []  # the regions are unmapped at shutdown
             for m in self.managers:

@@ -11,6 +11,7 @@ both primary tiers' state and the secondary tiers' contents.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -37,6 +38,41 @@ def test_tiering_with_kvoffloads_primary_tier_matches_vllms(
         extra = {"eviction_policy": policy, "secondary_tiers": _tiering.SETUPS[setup]()}
         paths = _tiering.run_pair(oracle, seed, 60, num_chunks, extra)
         assert not any(map(os.path.exists, paths))  # each manager removed its region
+
+
+@pytest.mark.parametrize("impl", ["vllm", "kvoffload"])
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_the_tier_poll_thread_enters_the_primary_tier_between_steps(
+    oracle: Any, impl: str, policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A tier that asks to be polled off-thread: vLLM's tiering manager then runs a thread that,
+    # holding the manager's lock between the scheduler's steps, collects finished jobs
+    # (complete_read / complete_write of the primary tier) and lets the tier serve its peers
+    # (lookups, promotions and prepare_read through the parent manager). The scheduler holds
+    # the lock through each step. Every step checks the primary tier's invariants (and the
+    # bytes each load finds in its chunks); the thread must have served and logged nothing.
+    # With vLLM's own primary tier the run must pass as well, or the scenario is wrong.
+    tier = _tiering.scripted_tier(polled=True, serve_every=2, delay=1, fail_every=7, capacity=40)
+    extra = {
+        "eviction_policy": policy,
+        "secondary_tiers": [tier],
+        "tier_poll_interval_s": 0.0002,
+    }
+    manager = _tiering.build(oracle, impl, 16, extra)
+    thread = manager._tier_poll_thread
+    assert thread is not None
+    assert thread.is_alive()
+    polled = manager.secondary_tiers[0]
+    path = manager.primary_tier._mmap_region.mmap_path
+    run = _tiering.TieringRun(oracle, [manager], [impl], seed=7, locked=True, pause=0.0005)
+    caplog.clear()  # the build's notes on out-of-tree code
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        run.run(200)
+    assert not thread.is_alive()  # shutdown stopped and joined it
+    assert not os.path.exists(path)
+    assert polled.serving_threads[thread.ident] > 0
+    assert sum(polled.serving_threads.values()) > polled.serving_threads[thread.ident]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 def test_the_spec_builds_vllms_tiering_manager_around_kvoffloads_primary_tier(
