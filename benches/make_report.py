@@ -2,7 +2,8 @@
 
 Runs, each in its own process and all in this one invocation (so the ratios are side by side):
 ``report.py`` (FFI cases, every policy), ``scaling.py`` (size, pins, batch, memory),
-``vllm_step.py`` (scheduler-trace replay against vLLM 0.33.0's manager), ``calls.py`` (the
+``vllm_step.py`` (scheduler-trace replay against vLLM 0.33.0's manager), ``vllm_tiering.py``
+(vLLM's tiering manager's time per step with each CPU primary tier), ``calls.py`` (the
 other calls), ``kvoffload bench``
 (the same replay against the reference, every policy) and, where ``cargo`` is on the path, the
 core crate's ``memory_floor`` example (what a lookup's memory accesses alone cost against pool
@@ -52,6 +53,7 @@ MODES: dict[str, dict[str, list[str]]] = {
         "sizes": ["--sizes", "1000,10000,100000,1000000,10000000", "--repeat", "3"],
         "floor": ["1000", "100000", "1000000", "10000000"],
         "callgrind": ["--rounds", "50", "--warmup", "10"],
+        "tiering": ["--steps", "150"],
     },
     "full": {
         "report": ["--sizes", "1000,100000,1000000", "--repeat", "7"],
@@ -64,6 +66,7 @@ MODES: dict[str, dict[str, list[str]]] = {
         "sizes": ["--repeat", "5"],
         "floor": ["1000", "10000", "100000", "1000000", "10000000"],
         "callgrind": ["--rounds", "200", "--warmup", "50"],
+        "tiering": ["--steps", "300", "--repeat", "3"],
     },
 }
 
@@ -73,6 +76,7 @@ DOCUMENTS = (
     "ffi",
     "scaling",
     "step",
+    "tiering",
     "bench",
     "drop",
     "calls",
@@ -109,6 +113,10 @@ def measure(mode: str, out: Path) -> None:
         "report": [py, "report.py", "--policies", ALL_POLICIES, "--json", str(out / "ffi.json")],
         "scaling": [py, "scaling.py", "--json", str(out / "scaling.json")],
         "step": [py, "vllm_step.py", "--json", str(out / "step.json")],
+        "tiering": [
+            *(py, "vllm_tiering.py", "--setups", "all", "--share"),
+            *("--json", str(out / "tiering.json")),
+        ],
         "bench": [
             *(py, "-m", "kvoffload.bench", "--policies", ALL_POLICIES, "--no-progress"),
             *("--impls", "reference,rust", "--json", str(out / "bench.json")),
@@ -135,7 +143,7 @@ def measure(mode: str, out: Path) -> None:
         *("--ops", "store_evict,load_complete", "--json", str(out / "positions.json")),
         *opts["targets"],
     ]
-    for name in ("report", "scaling", "step", "bench", "drop", "calls"):
+    for name in ("report", "scaling", "step", "tiering", "bench", "drop", "calls"):
         jobs[name] += opts[name]
     if shutil.which("cargo") is not None:
         jobs["floor"] = [

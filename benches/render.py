@@ -75,8 +75,10 @@ def _plt() -> Any:
     return plt
 
 
-def _save(fig: Any, docs: Path, name: str) -> str:
-    fig.tight_layout()
+def _save(
+    fig: Any, docs: Path, name: str, rect: tuple[float, float, float, float] = (0, 0, 1, 1)
+) -> str:
+    fig.tight_layout(rect=rect)
     fig.savefig(docs / name, dpi=110)
     _plt().close(fig)
     return f"![{name}]({name})"
@@ -121,6 +123,8 @@ def render(d: dict[str, Any], docs: Path) -> str:
         body += _positions(d["positions"], d.get("positions_callgrind"), targets)
     if "step" in d or "bench" in d:
         body += _replay(d.get("step"), d.get("bench"), docs, targets, d.get("step_more", []))
+    if "tiering" in d:
+        body += _tiering(d["tiering"], docs)
     if "calls" in d:
         body += _calls(d["calls"])
     if "drop" in d:
@@ -160,6 +164,73 @@ def render(d: dict[str, Any], docs: Path) -> str:
         out += [" ".join(cmd) for cmd in meta["commands"].values()]
         out += ["```", ""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _tiering(rows: list[dict[str, Any]], docs: Path) -> list[str]:
+    """The tiering section: vLLM's tiering manager's time per step with each primary tier."""
+    out = [
+        "## Inside vLLM's tiering: the CPU primary tier",
+        "",
+        "`benches/vllm_tiering.py`: vLLM 0.33.0's `TieringOffloadingManager` (its Python "
+        "orchestration of a CPU primary tier and secondary tiers) with vLLM's own primary tier "
+        "and with kvoffload's (`KVOffloadTieringOffloadingSpec`), both built by vLLM's factory "
+        "with the same secondary tiers (`tests/_tiering.py`'s setups: vLLM's example tier and "
+        "scripted ones that are slow, fail, forget, ask for request-level offloading or serve a "
+        "peer) and driven call by call through one seeded scheduler (every answer compared). µs "
+        "of the whole tiering manager a scheduler step, each manager's fastest mean of the "
+        "runs; the speed-up is vLLM's over kvoffload's. The share is the primary tier's part of "
+        "a step, from a second run with every call the tiering manager makes of it timed (the "
+        "wrappers' cost is in both parts). The rest is vLLM's own code in both columns, so the "
+        "speed-up of a step is bounded by it.",
+        "",
+    ]
+    table = [
+        [
+            r["policy"],
+            r["setup"],
+            f"{r['steps']:,}",
+            _ns(r["vllm_us_per_step_mean"]),
+            _ns(r["kvoffload_us_per_step_mean"]),
+            f"{_ns(r['vllm_us_per_step_p50'])} / {_ns(r['kvoffload_us_per_step_p50'])}",
+            _x(r["speedup"]),
+            (
+                f"{r['vllm_primary_share']:.0%} / {r['kvoffload_primary_share']:.0%}"
+                if "vllm_primary_share" in r
+                else "-"
+            ),
+        ]
+        for r in rows
+    ]
+    header = ["policy", "secondary tiers", "steps", "vLLM's primary tier µs/step"]
+    header += ["kvoffload's µs/step", "p50 (vLLM / kvoffload)", "speed-up"]
+    out += _table([*header, "primary tier's share (vLLM / kvoffload)"], table)
+    if not all("vllm_primary_share" in r for r in rows):
+        return out
+    plt = _plt()
+    from matplotlib.patches import Patch
+
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    fig, axes = plt.subplots(1, len(policies), figsize=(5 * len(policies), 4.4), squeeze=False)
+    primaries = (("vllm", "vLLM's primary tier"), ("kvoffload", "kvoffload's primary tier"))
+    for ax, policy in zip(axes[0], policies, strict=True):
+        mine = [r for r in rows if r["policy"] == policy]
+        for k, (name, _) in enumerate(primaries):
+            xs = [j + (k - 0.5) * 0.4 for j in range(len(mine))]
+            means = [r[f"{name}_us_per_step_mean"] for r in mine]
+            primary = [m * r[f"{name}_primary_share"] for m, r in zip(means, mine, strict=True)]
+            rest = [m - p for m, p in zip(means, primary, strict=True)]
+            ax.bar(xs, primary, 0.4, color=f"C{k}")
+            ax.bar(xs, rest, 0.4, bottom=primary, color=f"C{k}", alpha=0.35)
+        ax.set_xticks(range(len(mine)))
+        ax.set_xticklabels([r["setup"] for r in mine], rotation=20)
+        ax.set_title(f"{policy}: whole bar = the tiering manager's step")
+        ax.set_ylabel("µs per scheduler step (mean)")
+        ax.grid(axis="y", alpha=0.3)
+    handles = [Patch(color=f"C{k}", label=label) for k, (_, label) in enumerate(primaries)]
+    handles.append(Patch(color="grey", alpha=0.35, label="the rest: vLLM's tiering and tiers"))
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize="small")
+    out += [_save(fig, docs, "perf-tiering.png", rect=(0, 0.07, 1, 1)), ""]
+    return out
 
 
 def _calls(doc: dict[str, Any]) -> list[str]:

@@ -283,3 +283,34 @@ def test_the_cases_with_positions_get_a_section_and_their_own_target_rows(
         in (text)
     )
     assert f"| lru | {render.LABELS['load_complete']} | 1,000 | 1,500 |" in text
+
+
+def _tiering_row(setup: str, share: bool) -> dict[str, Any]:
+    row: dict[str, Any] = {"policy": "lru", "setup": setup, "chunks": 2000, "steps": 300}
+    for name, mean in (("vllm", 1_500.0), ("kvoffload", 600.0)):
+        row |= {
+            f"{name}_us_per_step_mean": mean,
+            f"{name}_us_per_step_p50": mean / 2,
+            f"{name}_us_per_step_p99": mean * 4,
+        }
+    row["speedup"] = 2.5
+    if share:
+        row |= {"vllm_primary_share": 0.6, "kvoffload_primary_share": 0.25}
+    return row
+
+
+def test_the_tiering_runs_get_a_section_and_a_plot(render: ModuleType, tmp_path: Path) -> None:
+    meta = {"mode": "quick", "date": "today"}
+    assert "Inside vLLM's tiering" not in render.render({"meta": meta}, tmp_path)
+    rows = [_tiering_row("example", True), _tiering_row("serving", True)]
+    text = render.render({"meta": meta, "tiering": rows}, tmp_path)
+    assert "## Inside vLLM's tiering: the CPU primary tier" in text
+    assert "| lru | example | 300 | 1,500 | 600 | 750 / 300 | 2.50x | 60% / 25% |" in text
+    assert "![perf-tiering.png](perf-tiering.png)" in text
+    assert (tmp_path / "perf-tiering.png").stat().st_size > 0
+    # A run without the shares: the table says so, and there is no plot.
+    (tmp_path / "perf-tiering.png").unlink()
+    text = render.render({"meta": meta, "tiering": [_tiering_row("example", False)]}, tmp_path)
+    assert "| lru | example | 300 | 1,500 | 600 | 750 / 300 | 2.50x | - |" in text
+    assert "perf-tiering.png" not in text
+    assert not (tmp_path / "perf-tiering.png").exists()

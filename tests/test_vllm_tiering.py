@@ -11,8 +11,11 @@ both primary tiers' state and the secondary tiers' contents.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -179,3 +182,30 @@ def test_difftest_tiering_mode_finds_a_primary_tier_that_records_its_reads(
     assert difftest.main(argv) == 1
     out = capsys.readouterr().out
     assert "primary tier state differs (vllm vs kvoffload): ['policy_state']" in out
+
+
+def test_the_tiering_benchmark_times_both_primary_tiers_and_their_share(
+    oracle: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    benches = str(Path(__file__).resolve().parent.parent / "benches")
+    if benches not in sys.path:
+        sys.path.insert(0, benches)
+    import vllm_tiering
+
+    out = tmp_path / "tiering.json"
+    argv = ["--policies", "lru", "--setups", "all", "--steps", "12", "--chunks", "64"]
+    assert vllm_tiering.main([*argv, "--repeat", "2", "--share", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["setup"] for r in rows] == sorted(_tiering.SETUPS)
+    for r in rows:
+        assert r["policy"] == "lru"
+        assert r["steps"] == 12
+        assert r["speedup"] == pytest.approx(
+            r["vllm_us_per_step_mean"] / r["kvoffload_us_per_step_mean"]
+        )
+        for name in ("vllm", "kvoffload"):
+            assert 0 < r[f"{name}_us_per_step_p50"] <= r[f"{name}_us_per_step_p99"]
+            assert 0 < r[f"{name}_primary_share"] < 1
+    assert "| lru | serving | 12 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        vllm_tiering.main(["--steps", "0"])
