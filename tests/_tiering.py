@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import random
 import sys
+import tempfile
 import time
 import types
 import uuid
@@ -55,6 +57,9 @@ TIERS_MODULE = "kvoffload_test_tiers"
 
 _SCRIPTED_TIER = '''
 import collections
+import contextlib
+import os
+import shutil
 import threading
 
 import numpy as np
@@ -67,6 +72,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult
 from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager, FsAsyncLookupManager
 
 
 class ScriptedTier(ExampleSecondaryTierManager):
@@ -183,6 +189,68 @@ class ScriptedTier(ExampleSecondaryTierManager):
         self.rows = None  # the region may be unmapped now
 
 
+class SettledLookups(FsAsyncLookupManager):
+    """vLLM's file system tier's lookups, answered at once: the worker thread is ended as it
+    starts, and each step's ``flush`` (the tier's ``on_schedule_end``) answers the batch it
+    posts, on the calling thread, with the tier's own ``batch_lookup``. So a key the tier was
+    asked for is RETRY for the rest of the step and known from the next, as with a worker that
+    is never late."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._lookup_queue.put(None)
+        self._thread.join()
+
+    def flush(self):
+        super().flush()
+        while not self._lookup_queue.empty():
+            batch = self._lookup_queue.get_nowait()
+            by_request = {}
+            for key, ctx, _ in batch:
+                by_request.setdefault(ctx.req_id, (ctx, []))[1].append(key)
+            found = {}
+            for ctx, keys in by_request.values():
+                found.update(zip(keys, self.batch_lookup(keys, ctx)))
+            self._pending_results.put([(k, gen, bool(found[k])) for k, _, gen in batch])
+
+    def shutdown(self):
+        self.drain_results()
+
+
+class SettledFileSystemTier(FileSystemTierManager):
+    """vLLM's file system tier (real files under ``root_dir``, its I/O thread pool, its file
+    names and config file), settled so that two tiering managers see it alike: lookups as
+    `SettledLookups` answers them, and every transfer submitted before a poll finished by it
+    (``drain_jobs``), its results in job order. It copies the bytes. ``shutdown`` removes
+    ``root_dir``."""
+
+    copies = True
+
+    def __init__(self, *args, root_dir, **kw):
+        super().__init__(*args, root_dir=root_dir, **kw)
+        self.root_dir = root_dir
+        self._lookup_manager.shutdown()
+        self._lookup_manager = SettledLookups(tier=self, tier_type=self.tier_type)
+
+    def get_finished_jobs(self):
+        self.drain_jobs()
+        return sorted(super().get_finished_jobs(), key=lambda r: r.job_id)
+
+    def files(self):
+        """The tier's files, relative to ``root_dir``."""
+        return sorted(
+            os.path.relpath(os.path.join(folder, name), self.root_dir)
+            for folder, _, names in os.walk(self.root_dir)
+            for name in names
+        )
+
+    def shutdown(self):
+        super().shutdown()
+        shutil.rmtree(self.root_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self.root_dir))  # the run's folder, once both are gone
+
+
 class PolledScriptedTier(ScriptedTier):
     """A ``ScriptedTier`` that the tiering manager also services from its tier-poll thread
     between steps (finished jobs collected, peers served), as vLLM's peer-to-peer tier is.
@@ -216,6 +284,20 @@ def scripted_tier(*, polled: bool = False, **rules: int) -> dict[str, Any]:
     return {"type": kind, "module_path": install_tiers(), **rules}
 
 
+def fs_tier() -> dict[str, Any]:
+    """A ``secondary_tiers`` entry: vLLM's file system tier, settled (``SettledFileSystemTier``),
+    in a fresh folder under the temporary directory (each manager's in a subfolder of its own:
+    `make_spec`), with two read and two write threads."""
+    root = os.path.join(tempfile.gettempdir(), f"kvoffload-fs-{uuid.uuid4().hex}")
+    return {
+        "type": "SettledFileSystemTier",
+        "module_path": install_tiers(),
+        "root_dir": root,
+        "n_read_threads": 2,
+        "n_write_threads": 2,
+    }
+
+
 #: Secondary tiers of the differential runs, by name (``ScriptedTier``'s rules: see above).
 SETUPS: dict[str, Callable[[], list[dict[str, Any]]]] = {
     "example": lambda: [{"type": "example"}],
@@ -226,6 +308,7 @@ SETUPS: dict[str, Callable[[], list[dict[str, Any]]]] = {
         scripted_tier(request_level_every=3, fail_every=4, delay=1, capacity=20),
     ],
     "serving": lambda: [scripted_tier(serve_every=2, delay=1, capacity=40)],
+    "fs": lambda: [fs_tier()],
 }
 
 
@@ -247,6 +330,10 @@ def make_spec(oracle: Any, impl: str, num_chunks: int, extra: dict[str, Any]) ->
     }
     if impl == "vllm":
         extra["spec_name"] = "TieringOffloadingSpec"
+    extra["secondary_tiers"] = [
+        {**tier, "root_dir": os.path.join(tier["root_dir"], impl)} if "root_dir" in tier else tier
+        for tier in extra["secondary_tiers"]
+    ]
     config = offloading_config(oracle, num_chunks, extra)
     config = dataclasses.replace(config, engine_id=f"kvoffload-test-{uuid.uuid4().hex}")
     return oracle.factory.OffloadingSpecFactory.create_spec(config)
@@ -259,6 +346,15 @@ def primary_state(oracle_mod: Any, manager: Any) -> dict[str, Any]:
         return _driver._own_state(primary)
     state: dict[str, Any] = oracle_mod.state_of(primary)
     return state
+
+
+def tier_contents(tier: Any) -> list[Any]:
+    """What a secondary tier holds: its keys (the example tier and its subclasses) or its files
+    (`SettledFileSystemTier`)."""
+    if hasattr(tier, "files"):
+        files: list[Any] = tier.files()
+        return files
+    return sorted(tier.chunks)
 
 
 class TieringMismatch(AssertionError):
@@ -362,7 +458,7 @@ class TieringRun:
     def check_state(self) -> None:
         """The primary tiers' state, the secondary tiers' contents and pending work agree."""
         states = [primary_state(self.oracle_mod, m) for m in self.managers]
-        tiers = [[sorted(t.chunks) for t in m.secondary_tiers] for m in self.managers]
+        tiers = [[tier_contents(t) for t in m.secondary_tiers] for m in self.managers]
         work = [m.has_pending_work() for m in self.managers]
         for n, s, t, w in zip(self.names, states, tiers, work, strict=True):
             if s != states[0]:
@@ -523,14 +619,17 @@ class TieringRun:
 
 
 def _timeless(stats: Any) -> Any:
-    """A stats report's metrics, each series of times (``*_seconds``, measured with the clock)
-    replaced by how many times it holds: the rest must be equal."""
+    """A stats report's metrics, each measured with the clock replaced by what does not depend
+    on it: a series of times (``*_seconds``) by how many it holds, a summed time (``*_time``,
+    a secondary tier's transfers) by its type. The rest must be equal."""
     if stats is None:
         return None
     data = stats.data["data"]
     return {
         name: {labels: len(v) for labels, v in series.items()}
         if name.endswith("_seconds")
+        else {labels: type(v).__name__ for labels, v in series.items()}
+        if name.endswith("_time")
         else series
         for name, series in data.items()
     }

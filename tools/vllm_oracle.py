@@ -8,7 +8,9 @@ the real manager, policies and ``ReqContext`` from the unpacked tree. The CPU of
 (``cpu/spec.py``) and ``OffloadingSpecFactory`` are imported too: their GPU-side imports (torch,
 triton, vLLM's custom ops, the platform, CUDA runtime and shared-memory helpers) get opaque
 stand-ins and the platform reports no GPU, so everything scheduler-side runs and nothing on a
-device can. Nothing of vLLM is copied here: the stand-ins expose only what is touched.
+device can. The tiering's file system tier names its files through the connector's
+canonical-layout module (torch): its stand-in refuses the canonical layout, which the oracle's
+configs leave off. Nothing of vLLM is copied here: the stand-ins expose only what is touched.
 
 ``state_of(manager)`` reads vLLM's internal state into kvoffload's introspection layout
 (``resident``, ``policy_state``, ``tracker_state``, ``pool_state``), for debugging divergences
@@ -64,6 +66,7 @@ _SPEC_MODULES = (
     "vllm.v1.kv_offload.cpu.spec",
 )
 _METRICS_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics"
+_CANONICAL_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping"
 
 
 def source_dir() -> Path:
@@ -151,6 +154,14 @@ def _stand_ins(src: Path) -> dict[str, types.ModuleType]:
         "vllm.logger",
         init_logger=lambda name: _QuietLogger(logging.getLogger(name), {}),
     )
+
+    def canonical_format_id(kv_cache_layout: str) -> str:
+        """The oracle's configs keep the direct layout (``canonical_layout`` off)."""
+        raise NotImplementedError("the oracle does not run vLLM's canonical KV layout")
+
+    # vLLM's file system tier names its files with ``file_mapper``, which imports this from the
+    # connector's canonical-layout module (torch and the KV-cache specs: left out).
+    mods[_CANONICAL_MODULE] = _module(_CANONICAL_MODULE, canonical_format_id=canonical_format_id)
 
     class KvHintsEnvelope:
         """Placeholder for the KV-hints envelope (only named in annotations)."""
