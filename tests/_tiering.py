@@ -221,8 +221,8 @@ class SettledFileSystemTier(FileSystemTierManager):
     """vLLM's file system tier (real files under ``root_dir``, its I/O thread pool, its file
     names and config file), settled so that two tiering managers see it alike: lookups as
     `SettledLookups` answers them, and every transfer submitted before a poll finished by it
-    (``drain_jobs``), its results in job order. It copies the bytes. ``shutdown`` removes
-    ``root_dir``."""
+    (``drain_jobs``), its pool's finished jobs taken in job order (so are the results and the
+    tier's events). It copies the bytes. ``shutdown`` removes ``root_dir``."""
 
     copies = True
 
@@ -231,10 +231,12 @@ class SettledFileSystemTier(FileSystemTierManager):
         self.root_dir = root_dir
         self._lookup_manager.shutdown()
         self._lookup_manager = SettledLookups(tier=self, tier_type=self.tier_type)
+        finished = self._pool.get_finished
+        self._pool.get_finished = lambda: sorted(finished(), key=lambda done: done[0])
 
     def get_finished_jobs(self):
         self.drain_jobs()
-        return sorted(super().get_finished_jobs(), key=lambda r: r.job_id)
+        return super().get_finished_jobs()
 
     def files(self):
         """The tier's files, relative to ``root_dir``."""
@@ -287,7 +289,7 @@ def scripted_tier(*, polled: bool = False, **rules: int) -> dict[str, Any]:
 def fs_tier() -> dict[str, Any]:
     """A ``secondary_tiers`` entry: vLLM's file system tier, settled (``SettledFileSystemTier``),
     in a fresh folder under the temporary directory (each manager's in a subfolder of its own:
-    `make_spec`), with two read and two write threads."""
+    `make_spec`), with two read and two write threads and its own events (a stored key's)."""
     root = os.path.join(tempfile.gettempdir(), f"kvoffload-fs-{uuid.uuid4().hex}")
     return {
         "type": "SettledFileSystemTier",
@@ -295,6 +297,7 @@ def fs_tier() -> dict[str, Any]:
         "root_dir": root,
         "n_read_threads": 2,
         "n_write_threads": 2,
+        "enable_kv_events": True,
     }
 
 
