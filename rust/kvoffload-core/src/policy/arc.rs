@@ -277,21 +277,31 @@ impl ArcPolicy {
     }
 
     /// Adapt the target to a ghost hit on `key`; `false` when the key is no ghost.
+    // Inlined into the store's and the touch's loops over their keys, most of which are no
+    // ghosts: the probe inline, the target's update (on a hit) out of line.
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     fn ghost_hit(&mut self, key: &[u8], hash: u64) -> bool {
-        let cap = self.capacity as f64;
-        let n1 = self.ghosts.len(GhostList::B1) as f64;
-        let n2 = self.ghosts.len(GhostList::B2) as f64;
         match self.ghosts.move_to_back(key, hash) {
-            Some(GhostList::B1) => {
-                self.target = (self.target + (n2 / n1).max(1.0)).min(cap);
-                true
-            }
-            Some(GhostList::B2) => {
-                self.target = (self.target - (n1 / n2).max(1.0)).max(0.0);
+            Some(list) => {
+                self.adapt_target(list);
                 true
             }
             None => false,
         }
+    }
+
+    /// Adapt the target to a hit in ghost list `list` (moving a ghost to its list's newest end
+    /// leaves the lists' lengths as they were).
+    #[inline(never)]
+    fn adapt_target(&mut self, list: GhostList) {
+        let cap = self.capacity as f64;
+        let n1 = self.ghosts.len(GhostList::B1) as f64;
+        let n2 = self.ghosts.len(GhostList::B2) as f64;
+        self.target = match list {
+            GhostList::B1 => (self.target + (n2 / n1).max(1.0)).min(cap),
+            GhostList::B2 => (self.target - (n1 / n2).max(1.0)).max(0.0),
+        };
     }
 
     fn ordered(&self, l: List) -> Vec<ChunkId> {
@@ -305,11 +315,20 @@ impl ArcPolicy {
 }
 
 /// The next evictable, unprotected entry of `it`.
+// Inlined into the eviction's scans, and a plain loop: `find`'s `try_fold` was kept out of
+// line, a call per victim (callgrind).
+#[allow(clippy::inline_always, clippy::manual_find)]
+#[inline(always)]
 fn next_victim(
     it: &mut impl Iterator<Item = (u64, ChunkId)>,
     protected: &dyn Fn(ChunkId) -> bool,
 ) -> Option<ChunkId> {
-    it.map(|(_, c)| c).find(|&c| !protected(c))
+    for (_, c) in it {
+        if !protected(c) {
+            return Some(c);
+        }
+    }
+    None
 }
 
 impl CachePolicy for ArcPolicy {
@@ -323,8 +342,23 @@ impl CachePolicy for ArcPolicy {
     }
 
     fn insert(&mut self, chunk: ChunkId, key: Access<'_>, _rank: &mut RequestRank) {
-        self.info[chunk as usize].evictable = false;
-        self.push_newest(chunk, List::T1);
+        let i = chunk as usize;
+        if self.info[i].list == List::None {
+            // In no list (every chunk the manager allocates): `push_newest`'s steps for such a
+            // chunk, inline. The newest sequence number, held (pending) at T1's tail.
+            self.next_seq += 1;
+            self.info[i] = Info {
+                list: List::T1,
+                evictable: false,
+            };
+            self.t1_len += 1;
+            let seq = self.next_seq;
+            self.t1_evictable
+                .push_last(&mut self.nodes, chunk, seq, true);
+        } else {
+            self.info[i].evictable = false;
+            self.push_newest(chunk, List::T1);
+        }
         self.ghosts.remove(key.key, key.hash);
         if self
             .ghost_key

@@ -193,24 +193,44 @@ impl GhostLists {
     }
 
     /// Move `key` to the newest end of its list; which list that is, if any.
+    // Inlined into ARC's loops over a call's keys, most of which are no ghosts: the probe
+    // inline, the move out of line.
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     pub(crate) fn move_to_back(&mut self, key: &[u8], hash: u64) -> Option<GhostList> {
         let (_, e) = self.probe(key, hash).ok()?;
+        Some(self.entry_to_back(e))
+    }
+
+    /// Move live entry `e` to the newest end of its list; which list that is.
+    #[inline(never)]
+    fn entry_to_back(&mut self, e: u32) -> GhostList {
         let list = GhostList::from_tag(self.entries[e as usize].list);
         if self.lists[list as usize].tail != e {
             self.unlink(e);
             self.link_back(e, list);
         }
-        Some(list)
+        list
     }
 
     /// Drop `key` from its list; which list that was, if any.
+    // Inlined into ARC's insert, whose keys are mostly no ghosts: the probe inline, the
+    // removal out of line.
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     pub(crate) fn remove(&mut self, key: &[u8], hash: u64) -> Option<GhostList> {
         let (at, e) = self.probe(key, hash).ok()?;
+        Some(self.remove_entry(at, e))
+    }
+
+    /// Drop live entry `e`, indexed at word `at`; which list held it.
+    #[inline(never)]
+    fn remove_entry(&mut self, at: usize, e: u32) -> GhostList {
         let list = GhostList::from_tag(self.entries[e as usize].list);
         self.unindex(at);
         self.unlink(e);
         self.release(e);
-        Some(list)
+        list
     }
 
     /// Add `key` at the newest end of `list`. A key already in `list` stays where it is (ARC
@@ -288,12 +308,20 @@ impl GhostLists {
             }
         }
         for _ in 0..excess {
-            self.pop_front(list);
+            self.pop_head(list);
         }
     }
 
     /// Drop the oldest ghost of `list`; `false` if it is empty. Its key is not hashed again.
     pub(crate) fn pop_front(&mut self, list: GhostList) -> bool {
+        self.pop_head(list)
+    }
+
+    /// [`pop_front`](Self::pop_front), inlined into `trim`'s loop (a store's eviction pops
+    /// a ghost a victim once B1 is full).
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
+    fn pop_head(&mut self, list: GhostList) -> bool {
         let e = self.lists[list as usize].head;
         if e == NIL {
             return false;
@@ -309,8 +337,24 @@ impl GhostLists {
             at = (at + 1) & mask;
         }
         self.unindex(at);
-        self.unlink(e);
-        self.release(e);
+        // `e` is the head: the unlinking and the release of `unlink` and `release`, inline,
+        // with what is known of a head (no older entry, `list`'s own).
+        let Entry { next, len, .. } = self.entries[e as usize];
+        let ends = &mut self.lists[list as usize];
+        ends.len -= 1;
+        ends.head = next;
+        if next == NIL {
+            ends.tail = NIL;
+        } else {
+            self.entries[next as usize].prev = NIL;
+        }
+        if len as usize > INLINE_KEY {
+            self.long.remove(&e);
+        }
+        let x = &mut self.entries[e as usize];
+        x.list = FREE;
+        x.next = self.free;
+        self.free = e;
         true
     }
 
@@ -561,6 +605,8 @@ impl GhostLists {
 
     /// Empty index word `at`, moving later words of its probe run back so that every word
     /// stays reachable from its home without passing an empty word.
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     fn unindex(&mut self, mut at: usize) {
         let mask = self.index.len() - 1;
         let mut next = at;

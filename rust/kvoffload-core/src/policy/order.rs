@@ -958,7 +958,10 @@ pub(crate) struct Iter<'a, K> {
 }
 
 impl<K: OrderKey> Iter<'_, K> {
-    /// The next entry of the merge, held or not.
+    /// The next entry of the merge, held or not. The list alone (the usual order) is walked
+    /// inline; the merge with the tree and the runs is out of line.
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     fn next_entry(&mut self) -> Option<(K, ChunkId)> {
         if self.list_only {
             let c = self.list;
@@ -966,6 +969,12 @@ impl<K: OrderKey> Iter<'_, K> {
             self.list = node.next;
             return Some((node.key, c));
         }
+        self.next_merged()
+    }
+
+    /// [`next_entry`](Self::next_entry) of an order with a tree or runs.
+    #[inline(never)]
+    fn next_merged(&mut self) -> Option<(K, ChunkId)> {
         let o = self.order;
         if self.run == NIL && self.more_runs {
             match self.groups.next() {
