@@ -30,7 +30,7 @@ import json
 import platform
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +95,12 @@ def run_one(
 
 def step_us(result: ReplayResult) -> tuple[float, float, float]:
     """Mean, median and 99th percentile of the manager's microseconds per step."""
-    steps = sorted(result.step_ns)
+    return us_stats(result.step_ns)
+
+
+def us_stats(step_ns: Sequence[float]) -> tuple[float, float, float]:
+    """Mean, median and 99th percentile, in microseconds, of per-step nanoseconds."""
+    steps = sorted(step_ns)
     p99 = steps[min(len(steps) - 1, round(0.99 * (len(steps) - 1)))]
     return statistics.fmean(steps) / 1e3, statistics.median(steps) / 1e3, p99 / 1e3
 

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import vllm_oracle  # noqa: E402
 
 import _tiering  # noqa: E402  (tests/ is not a package)
+from vllm_step import us_stats  # noqa: E402
 
 #: The calls vLLM's tiering manager makes of its primary tier (timed with ``--share``).
 PRIMARY_CALLS = (
@@ -126,11 +127,6 @@ def run(
     return driver.step_ns, primary
 
 
-def _p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
 def measure(
     policy: str, setup: str, chunks: int, steps: int, seed: int, repeat: int, share: bool
 ) -> dict[str, Any]:
@@ -139,10 +135,11 @@ def measure(
     runs = [run(policy, setup, chunks, steps, seed)[0] for _ in range(repeat)]
     row: dict[str, Any] = {"policy": policy, "setup": setup, "chunks": chunks, "steps": steps}
     for i, name in enumerate(NAMES):
-        us = min(([s[i] / 1000 for s in step_ns] for step_ns in runs), key=statistics.fmean)
-        row[f"{name}_us_per_step_mean"] = statistics.fmean(us)
-        row[f"{name}_us_per_step_p50"] = statistics.median(us)
-        row[f"{name}_us_per_step_p99"] = _p99(us)
+        ns = min(([s[i] for s in step_ns] for step_ns in runs), key=statistics.fmean)
+        mean, p50, p99 = us_stats(ns)
+        row[f"{name}_us_per_step_mean"] = mean
+        row[f"{name}_us_per_step_p50"] = p50
+        row[f"{name}_us_per_step_p99"] = p99
     row["speedup"] = row["vllm_us_per_step_mean"] / row["kvoffload_us_per_step_mean"]
     if share:
         step_ns, primary = run(policy, setup, chunks, steps, seed, share=True)

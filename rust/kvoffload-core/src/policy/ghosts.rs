@@ -318,7 +318,7 @@ impl GhostLists {
     }
 
     /// [`pop_front`](Self::pop_front), inlined into `trim`'s loop (a store's eviction pops
-    /// a ghost a victim once B1 is full).
+    /// one ghost per victim once B1 is full).
     #[allow(clippy::inline_always)]
     #[inline(always)]
     fn pop_head(&mut self, list: GhostList) -> bool {
