@@ -217,26 +217,17 @@ class SettledLookups(FsAsyncLookupManager):
         self.drain_results()
 
 
-class SettledFileSystemTier(FileSystemTierManager):
-    """vLLM's file system tier (real files under ``root_dir``, its I/O thread pool, its file
-    names and config file), settled so that two tiering managers see it alike: lookups as
-    `SettledLookups` answers them, and every transfer submitted before a poll finished by it
-    (``drain_jobs``), its pool's finished jobs taken in job order (so are the results and the
-    tier's events). It copies the bytes. ``shutdown`` removes ``root_dir``."""
+class LiveFileSystemTier(FileSystemTierManager):
+    """vLLM's file system tier as it runs in vLLM (real files under ``root_dir``, its I/O
+    thread pool, its lookup thread, its file names and config file), which copies the bytes
+    and whose ``shutdown`` removes ``root_dir``. Its threads' timing decides when a lookup is
+    answered and when a transfer finishes, so a run with it is not deterministic."""
 
     copies = True
 
     def __init__(self, *args, root_dir, **kw):
         super().__init__(*args, root_dir=root_dir, **kw)
         self.root_dir = root_dir
-        self._lookup_manager.shutdown()
-        self._lookup_manager = SettledLookups(tier=self, tier_type=self.tier_type)
-        finished = self._pool.get_finished
-        self._pool.get_finished = lambda: sorted(finished(), key=lambda done: done[0])
-
-    def get_finished_jobs(self):
-        self.drain_jobs()
-        return super().get_finished_jobs()
 
     def files(self):
         """The tier's files, relative to ``root_dir``."""
@@ -251,6 +242,24 @@ class SettledFileSystemTier(FileSystemTierManager):
         shutil.rmtree(self.root_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(self.root_dir))  # the run's folder, once both are gone
+
+
+class SettledFileSystemTier(LiveFileSystemTier):
+    """`LiveFileSystemTier` settled so that two tiering managers see it alike: lookups as
+    `SettledLookups` answers them, and every transfer submitted before a poll finished by it
+    (``drain_jobs``), its pool's finished jobs taken in job order (so are the results and the
+    tier's events)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._lookup_manager.shutdown()
+        self._lookup_manager = SettledLookups(tier=self, tier_type=self.tier_type)
+        finished = self._pool.get_finished
+        self._pool.get_finished = lambda: sorted(finished(), key=lambda done: done[0])
+
+    def get_finished_jobs(self):
+        self.drain_jobs()
+        return super().get_finished_jobs()
 
 
 class PolledScriptedTier(ScriptedTier):
@@ -286,13 +295,14 @@ def scripted_tier(*, polled: bool = False, **rules: int) -> dict[str, Any]:
     return {"type": kind, "module_path": install_tiers(), **rules}
 
 
-def fs_tier() -> dict[str, Any]:
-    """A ``secondary_tiers`` entry: vLLM's file system tier, settled (``SettledFileSystemTier``),
-    in a fresh folder under the temporary directory (each manager's in a subfolder of its own:
-    `make_spec`), with two read and two write threads and its own events (a stored key's)."""
+def fs_tier(*, settled: bool = True) -> dict[str, Any]:
+    """A ``secondary_tiers`` entry: vLLM's file system tier, settled (``SettledFileSystemTier``)
+    or not (``LiveFileSystemTier``), in a fresh folder under the temporary directory (each
+    manager's in a subfolder of its own: `make_spec`), with two read and two write threads and
+    its own events (a stored key's)."""
     root = os.path.join(tempfile.gettempdir(), f"kvoffload-fs-{uuid.uuid4().hex}")
     return {
-        "type": "SettledFileSystemTier",
+        "type": "SettledFileSystemTier" if settled else "LiveFileSystemTier",
         "module_path": install_tiers(),
         "root_dir": root,
         "n_read_threads": 2,
