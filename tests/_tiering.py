@@ -321,6 +321,9 @@ SETUPS: dict[str, Callable[[], list[dict[str, Any]]]] = {
         scripted_tier(request_level_every=3, fail_every=4, delay=1, capacity=20),
     ],
     "serving": lambda: [scripted_tier(serve_every=2, delay=1, capacity=40)],
+    "polled": lambda: [
+        scripted_tier(polled=True, serve_every=2, delay=1, fail_every=7, capacity=40)
+    ],
     "fs": lambda: [fs_tier()],
 }
 
@@ -433,6 +436,14 @@ class TieringRun:
         self.check_data = all(
             getattr(t, "copies", False) for m in self.managers for t in m.secondary_tiers
         )
+        # A tier that asks to be polled off-thread, with the tier-poll thread off: the
+        # scheduler runs the thread's rounds itself (`poll_tiers`), 0-2 between two steps at
+        # seeded places, so that the managers can be compared call by call.
+        self.polls = all(
+            m._tier_poll_thread is None
+            and any(t.tolerates_off_thread_polling for t in m.secondary_tiers)
+            for m in self.managers
+        )
 
     # --- calls, compared ---
 
@@ -494,6 +505,8 @@ class TieringRun:
     def _step(self) -> None:
         rng, ScheduleEnd = self.rng, self.base.ScheduleEndContext
         start = list(self.ns)
+        for _ in range(rng.randint(0, 2) if self.polls else 0):
+            self.call("poll_tiers()", _poll_round)
         for req, keys in self.loads:
             self.call(f"complete_load({req.rid}, {len(keys)})", _on(req, "complete_load", keys))
         for req, keys in self.stores:
@@ -646,6 +659,12 @@ def _timeless(stats: Any) -> Any:
         else series
         for name, series in data.items()
     }
+
+
+def _poll_round(manager: Any, _: int) -> None:
+    """One round of the tier-poll thread's, on this thread: ``poll_tiers`` under the lock."""
+    with manager.lock:
+        manager.poll_tiers()
 
 
 def _on(req: _Request, name: str, *args: Any) -> Callable[[Any, int], Any]:
