@@ -41,4 +41,4 @@ pub use manager::{
 pub use policy::{ArcPolicy, CachePolicy, LruPolicy, PolicyState};
 pub use pool::{ChunkId, ChunkPool};
 pub use request::{RankTag, RequestState};
-pub use table::{ChunkState, ChunkTable, Probe, Release, Slots};
+pub use table::{ChunkState, ChunkTable, Probe, Release, Slots, Unpinned};

@@ -17,7 +17,7 @@ use crate::pool::{ChunkId, ChunkPool};
 use crate::recycle;
 use crate::request::{RequestState, INSERTED, REPORTED, REUSED};
 use crate::sketch::{sketch_hash, FrequencySketch};
-use crate::table::{storable_len, ChunkState, ChunkTable, Slots, MAX_KEY_LEN};
+use crate::table::{storable_len, ChunkState, ChunkTable, Slots, Unpinned, MAX_KEY_LEN};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -366,7 +366,7 @@ impl Manager {
     /// (undoing a failed `prepare_load`; failures of these reports are not checked).
     fn undo_pins(&mut self, chunks: &[ChunkId]) {
         for &c in chunks.iter().rev() {
-            let zero = self.slots.unpin_all(&[c]).is_ok_and(|z| z[0]);
+            let zero = self.slots.unpin_all(&[c]).is_ok_and(|z| z.get(0));
             self.mirror_ref(c);
             if zero {
                 self.policy.mark_evictable(c);
@@ -414,7 +414,7 @@ impl Manager {
             // The buckets were requested as the keys were hashed (`hash_batch`).
             // Each key's candidate slot, prefetched, then compared first: its bucket is read
             // once (a miss with no candidate is known absent at once).
-            let candidates: Scratch<Option<ChunkId>> = hashes
+            let mut found: Scratch<Option<ChunkId>> = hashes
                 .iter()
                 .map(|&h| {
                     let c = self.slots.candidate(h);
@@ -427,12 +427,11 @@ impl Manager {
                     c
                 })
                 .collect();
-            return keys
-                .iter()
-                .zip(hashes)
-                .zip(&candidates)
-                .map(|((k, &h), &c)| self.slots.find_from(k, h, c))
-                .collect();
+            // Each candidate replaced by the key's chunk, in place.
+            for ((k, &h), c) in keys.iter().zip(hashes).zip(found.iter_mut()) {
+                *c = self.slots.find_from(k, h, *c);
+            }
+            return found;
         }
         keys.iter()
             .zip(hashes)
@@ -571,12 +570,12 @@ impl Manager {
         let mut repeated = false;
         let mut full = None;
         for (k, &c) in keys.iter().zip(&found) {
-            let wrong = match c {
-                None => Some("not in the cache"),
-                Some(c) if self.slots.state(c) == ChunkState::Pending => {
-                    Some("its store has not completed")
+            let (wrong, pinnable) = match c {
+                None => (Some("not in the cache"), true),
+                Some(c) => {
+                    let (pending, pinnable) = self.slots.pending_and_pinnable(c);
+                    (pending.then_some("its store has not completed"), pinnable)
                 }
-                Some(_) => None,
             };
             let (Some(c), None) = (c, wrong) else {
                 clear_marks(&mut self.marks, chunks.iter().copied());
@@ -588,7 +587,7 @@ impl Manager {
                 )));
             };
             repeated |= !mark(&mut self.marks, c);
-            if full.is_none() && self.slots.check_pin(c, 1).is_err() {
+            if full.is_none() && !pinnable {
                 full = Some(c);
             }
             chunks.push(c);
@@ -614,26 +613,38 @@ impl Manager {
             None => None,
         };
 
-        for (n, &c) in chunks.iter().enumerate() {
-            if self.slots.pin(c) {
-                self.policy.mark_non_evictable(c);
-                if self.policy_failed() {
-                    // Its report failed: release it silently, then undo the reported ones.
-                    let _ = self.slots.unpin_all(&[c]);
-                    self.undo_pins(&chunks[..n]);
-                    return Err(policy_error("mark_non_evictable"));
+        if self.external {
+            for (n, &c) in chunks.iter().enumerate() {
+                if self.slots.pin(c) {
+                    self.policy.mark_non_evictable(c);
+                    if self.policy_failed() {
+                        // Its report failed: release it silently, then undo the reported ones.
+                        let _ = self.slots.unpin_all(&[c]);
+                        self.undo_pins(&chunks[..n]);
+                        return Err(policy_error("mark_non_evictable"));
+                    }
+                }
+                self.mirror_ref(c);
+            }
+        } else {
+            // A built-in policy: its reports cannot fail, and there are no ref counts to mirror.
+            for &c in &chunks {
+                if self.slots.pin(c) {
+                    self.policy.mark_non_evictable(c);
                 }
             }
-            self.mirror_ref(c);
         }
         if let (Some((_, req)), Some(call)) = (request, call.as_mut()) {
             let mark = req.seen.len();
-            if !self.record_new(req, call, 0..keys.len(), |i| Some(chunks[i])) {
+            if !self.record_new::<true>(req, call, 0..keys.len(), |i| Some(chunks[i])) {
                 req.truncate(mark);
                 self.undo_pins(&chunks);
                 return Err(policy_error("on_request_access"));
             }
-            mark_reused(req, call, 0..keys.len());
+            if self.external {
+                // A built-in policy's recording marked them (it cannot fail).
+                mark_reused(req, call, 0..keys.len());
+            }
         }
         Ok(chunks)
     }
@@ -659,18 +670,19 @@ impl Manager {
             let mut chunks: Scratch<ChunkId> = Scratch::with_capacity(keys.len());
             for (k, &h) in keys.iter().zip(hints.chunks) {
                 match h {
-                    Some(c)
-                        // A pinned slot holds a key: under a vouch, this one.
-                        if matches!(self.slots.state(c), ChunkState::Ready(n) if n > 0)
-                            && (hints.vouched || self.slots.holds_at(c, k)) =>
-                    {
-                        chunks.push(c);
-                    }
+                    // Under a vouch, the slot holds this key whenever it holds one.
+                    Some(c) if hints.vouched || self.slots.holds_at(c, k) => chunks.push(c),
                     _ => break,
                 }
             }
+            // Their pins are checked as they are dropped: all or none. If one is missing (a
+            // slot not pinned, or not holding the key at all), nothing changed, and the general
+            // way below finds the keys again and names the failure as it always does.
             if chunks.len() == keys.len() {
-                return self.unpin_loaded(keys, &chunks);
+                if let Ok(zero) = self.slots.unpin_all(&chunks) {
+                    self.unpinned(&chunks, &zero);
+                    return Ok(());
+                }
             }
         }
         let found = self.resolve_hinted(keys, hints);
@@ -709,13 +721,24 @@ impl Manager {
                 show_key(keys[i])
             ))
         })?;
-        for (&c, zero) in chunks.iter().zip(zero) {
-            self.mirror_ref(c);
-            if zero {
-                self.policy.mark_evictable(c);
-            }
-        }
+        self.unpinned(chunks, &zero);
         Ok(())
+    }
+
+    /// Tell the policy of the pins just dropped on `chunks` ([`Slots::unpin_all`]'s `zero`).
+    fn unpinned(&mut self, chunks: &[ChunkId], zero: &Unpinned) {
+        if self.external {
+            for (i, &c) in chunks.iter().enumerate() {
+                self.mirror_ref(c);
+                if zero.get(i) {
+                    self.policy.mark_evictable(c);
+                }
+            }
+        } else {
+            // A built-in policy: no ref counts to mirror, only the evictable chunks to tell.
+            let policy = &mut self.policy;
+            zero.each_place(|i| policy.mark_evictable(chunks[i]));
+        }
     }
 
     /// Forward a touch to the policy (absent keys included: ARC learns from ghosts).
@@ -822,7 +845,7 @@ impl Manager {
         };
         // 5: record the access (the flags are set once nothing can fail any more).
         let mark = req.seen.len();
-        if !self.record_new(req, &mut call, recorded.iter().copied(), |i| found[i]) {
+        if !self.record_new::<false>(req, &mut call, recorded.iter().copied(), |i| found[i]) {
             req.truncate(mark);
             return Err(policy_error("on_request_access"));
         }
@@ -1475,9 +1498,13 @@ impl Manager {
     /// of `keys[i]` at this moment. `false`: an external policy failed (the caller truncates
     /// the request's state). The caller reserved room for the keys at the call's start
     /// ([`RequestState::reserve_fetched`]).
+    ///
+    /// `REUSE` (a load): under a built-in policy, whose recording cannot fail, the keys
+    /// recorded are also marked reused here, as [`mark_reused`] would mark them after; an
+    /// external policy's caller marks them itself once recording succeeded.
     // Out of line: inlined into its two callers, it measured more instructions (callgrind).
     #[inline(never)]
-    fn record_new(
+    fn record_new<const REUSE: bool>(
         &mut self,
         req: &mut RequestState,
         call: &mut Call<'_>,
@@ -1495,15 +1522,21 @@ impl Manager {
         } else {
             Vec::new().into()
         };
+        // Under a built-in policy a load's keys are marked reused as they are recorded (a key
+        // it adds was not inserted); an external policy's caller marks them after.
+        let mark_now = REUSE && !self.external;
+        let flags = if mark_now { REUSED } else { 0 };
         for i in which {
-            if call.slots[i].is_none() {
+            let j = if let Some(j) = call.slots[i] {
+                j
+            } else {
                 // Unseen, or not looked up yet; a key repeated within the call is added by its
                 // first occurrence and found by the others.
                 let (k, h, c) = (call.keys[i], call.hashes[i], resident(i));
                 let (j, added) = if call.fresh {
-                    (req.add(k, h, c), true)
+                    (req.add(k, h, c, flags), true)
                 } else {
-                    req.find_or_add(k, h, c)
+                    req.find_or_add(k, h, c, flags)
                 };
                 call.slots[i] = Some(j as u32);
                 if added {
@@ -1511,6 +1544,14 @@ impl Manager {
                     if listed {
                         new.push(call.access(i, c));
                     }
+                    continue;
+                }
+                j as u32
+            };
+            if mark_now {
+                let f = &mut req.seen[j as usize].flags;
+                if *f & INSERTED == 0 {
+                    *f |= REUSED;
                 }
             }
         }

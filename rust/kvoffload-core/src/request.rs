@@ -57,7 +57,7 @@ pub(crate) struct SeenKey {
 }
 
 impl SeenKey {
-    /// Append to `seen` a key just seen, with no flags, at `chunk` if resident; a long key's
+    /// Append to `seen` a key just seen, with `flags`, at `chunk` if resident; a long key's
     /// bytes are appended to `long`. The key's bytes are written into the entry in place (see
     /// [`copy_inline`]), not built beside it and copied in.
     #[allow(clippy::inline_always)]
@@ -67,6 +67,7 @@ impl SeenKey {
         key: &[u8],
         hash: u64,
         chunk: Option<ChunkId>,
+        flags: u8,
         long: &mut Vec<u8>,
     ) {
         let n = key.len();
@@ -76,7 +77,7 @@ impl SeenKey {
             // The manager records only keys it could look up or store: under 4 GiB.
             len: u32::try_from(n).unwrap_or(u32::MAX),
             chunk: chunk.unwrap_or(NO_CHUNK),
-            flags: 0,
+            flags,
         });
         let Some(s) = seen.last_mut() else { return };
         if !copy_inline(&mut s.bytes, key) {
@@ -275,23 +276,31 @@ impl RequestState {
         }
     }
 
-    /// Add a key the request has not seen; returns its index. Room for it must be reserved.
+    /// Add a key the request has not seen, with `flags`; returns its index. Room for it must
+    /// be reserved.
     // Inlined into the manager's recording loop (out of line, it measured 5-10% more
     // instructions a recorded key under callgrind).
     #[allow(clippy::inline_always)]
     #[inline(always)]
-    pub(crate) fn add(&mut self, key: &[u8], hash: u64, chunk: Option<ChunkId>) -> usize {
+    pub(crate) fn add(
+        &mut self,
+        key: &[u8],
+        hash: u64,
+        chunk: Option<ChunkId>,
+        flags: u8,
+    ) -> usize {
         let i = self.seen.len();
         let at = match self.table.probe(hash, |_| false) {
             Ok(at) | Err(at) => at,
         };
         self.table.put(at, hash, i);
-        SeenKey::push(&mut self.seen, key, hash, chunk, &mut self.long);
+        SeenKey::push(&mut self.seen, key, hash, chunk, flags, &mut self.long);
         i
     }
 
-    /// The index of `key` among the seen keys, adding it first if the request has not seen
-    /// it (`true`: added): one probe of the index either way. Room for it must be reserved.
+    /// The index of `key` among the seen keys, adding it first (with `flags`) if the request
+    /// has not seen it (`true`: added): one probe of the index either way. Room for it must
+    /// be reserved.
     // As `add`.
     #[allow(clippy::inline_always)]
     #[inline(always)]
@@ -300,13 +309,14 @@ impl RequestState {
         key: &[u8],
         hash: u64,
         chunk: Option<ChunkId>,
+        flags: u8,
     ) -> (usize, bool) {
         match self.table.probe(hash, |j| self.key(j) == key) {
             Ok(j) => (j, false),
             Err(at) => {
                 let i = self.seen.len();
                 self.table.put(at, hash, i);
-                SeenKey::push(&mut self.seen, key, hash, chunk, &mut self.long);
+                SeenKey::push(&mut self.seen, key, hash, chunk, flags, &mut self.long);
                 (i, true)
             }
         }
@@ -428,7 +438,7 @@ mod tests {
 
     fn add(req: &mut RequestState, k: &[u8]) -> (usize, bool) {
         req.reserve(1);
-        req.find_or_add(k, hash_key(k), None)
+        req.find_or_add(k, hash_key(k), None, 0)
     }
 
     #[test]
@@ -499,7 +509,7 @@ mod tests {
         req.reserve(2);
         req.added.clear();
         for (i, k) in keys[1..].iter().enumerate() {
-            assert!(req.find_or_add(k, hash_key(k), None).1);
+            assert!(req.find_or_add(k, hash_key(k), None, 0).1);
             req.added.push(i as u32);
         }
         assert_eq!(req.last_added(), &[0, 1]);

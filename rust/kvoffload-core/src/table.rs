@@ -288,6 +288,51 @@ unsafe impl Zeroable for Bucket {
     }
 }
 
+/// What [`Slots::unpin_all`] answers: for each place of its chunks, whether the pin dropped
+/// there left the slot evictable. A bit a place (inline up to 128 places).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unpinned {
+    words: SmallVec<[u64; 2]>,
+    len: usize,
+}
+
+impl Unpinned {
+    fn new(len: usize) -> Self {
+        let n = len.div_ceil(64);
+        // Up to 128 places: two words inline (a spare one stays zero).
+        let words = if n <= 2 {
+            SmallVec::from_buf([0; 2])
+        } else {
+            smallvec::smallvec![0; n]
+        };
+        Self { words, len }
+    }
+
+    /// Whether the drop at place `i` left its slot evictable (`false` past the end).
+    #[must_use]
+    pub fn get(&self, i: usize) -> bool {
+        i < self.len && (self.words[i / 64] >> (i % 64)) & 1 != 0
+    }
+
+    /// Call `f` with each place whose drop left its slot evictable, in ascending order.
+    #[inline]
+    pub fn each_place(&self, mut f: impl FnMut(usize)) {
+        for (n, &w) in self.words.iter().enumerate() {
+            let mut w = w;
+            while w != 0 {
+                f(n * 64 + w.trailing_zeros() as usize);
+                w &= w - 1;
+            }
+        }
+    }
+
+    /// The answer as one flag a place, in order.
+    #[must_use]
+    pub fn to_vec(&self) -> Vec<bool> {
+        (0..self.len).map(|i| self.get(i)).collect()
+    }
+}
+
 /// Whether a slot's inline key matches `key`, read with relaxed loads (the caller validates).
 enum Match {
     No,
@@ -1184,6 +1229,19 @@ impl Slots {
         true
     }
 
+    /// Whether slot `c` is pending (its [`state`](Self::state) `Pending`), and whether one
+    /// more pin of it is legal ([`check_pin`](Self::check_pin) of 1 is `Ok`): one read of
+    /// its state for both.
+    #[inline]
+    #[must_use]
+    pub fn pending_and_pinnable(&self, c: ChunkId) -> (bool, bool) {
+        let code = self.code(c);
+        (
+            code == PENDING,
+            code >= TENTATIVE && pins_of(code) < MAX_PINS,
+        )
+    }
+
     /// Check that `extra` more pins of slot `c` are legal.
     pub fn check_pin(&self, c: ChunkId, extra: u32) -> Result<()> {
         let code = self.code(c);
@@ -1247,23 +1305,31 @@ impl Slots {
     }
 
     /// Drop one pin of each slot in order (a slot listed twice drops two), all or none:
-    /// `Err(i)` if `chunks[i]` had no pin left (another thread released it), after giving back
-    /// the pins already dropped. `Ok` holds, in order, whether each drop left its slot
-    /// evictable (the counters count it so; the caller tells the policy).
-    pub fn unpin_all(
-        &mut self,
-        chunks: &[ChunkId],
-    ) -> std::result::Result<SmallVec<[bool; 32]>, usize> {
-        let mut zero: SmallVec<[bool; 32]> = SmallVec::with_capacity(chunks.len());
+    /// `Err(i)` if `chunks[i]` had no pin left (another thread released it) or names no slot,
+    /// after giving back the pins already dropped. `Ok` tells, for each place of `chunks`,
+    /// whether its drop left the slot evictable (the counters count it so; the caller tells
+    /// the policy).
+    pub fn unpin_all(&mut self, chunks: &[ChunkId]) -> std::result::Result<Unpinned, usize> {
+        let t = &*self.table;
+        let give_back = |i: usize| {
+            let taken: SmallVec<[(ChunkId, bool); 32]> =
+                chunks[..i].iter().map(|&c| (c, false)).collect();
+            t.undo_releases(&taken);
+            i
+        };
+        let slots: &[Slot] = &t.slots;
+        let mut zero = Unpinned::new(chunks.len());
+        let bits = zero.words.as_mut_slice();
+        let mut freed = 0;
         for (i, &c) in chunks.iter().enumerate() {
-            let slot = &self.table.slots[c as usize];
+            // A chunk past the slots (only a wrong guess names one) holds no pin either.
+            let Some(slot) = slots.get(c as usize) else {
+                return Err(give_back(i));
+            };
             let mut w = slot.state.load(Ordering::Acquire);
             loop {
                 if pins_of(code_of(w)) == 0 {
-                    let taken: SmallVec<[(ChunkId, bool); 32]> =
-                        chunks[..i].iter().map(|&c| (c, false)).collect();
-                    self.table.undo_releases(&taken);
-                    return Err(i);
+                    return Err(give_back(i));
                 }
                 if self.exclusive {
                     // As in `pin`: nothing else writes the word meanwhile.
@@ -1281,9 +1347,11 @@ impl Slots {
                     Err(now) => w = now,
                 }
             }
-            zero.push(code_of(w) == READY + 1);
+            let z = code_of(w) == READY + 1;
+            bits[i / 64] |= u64::from(z) << (i % 64);
+            freed += usize::from(z);
         }
-        self.num_evictable += zero.iter().filter(|&&z| z).count();
+        self.num_evictable += freed;
         Ok(zero)
     }
 
@@ -1759,8 +1827,38 @@ mod tests {
         t.pin(0);
         assert_eq!(t.unpin_all(&[0, 1]), Err(1));
         assert_eq!((t.state(0), t.num_evictable()), (ChunkState::Ready(1), 1));
-        assert_eq!(t.unpin_all(&[0]).unwrap().as_slice(), &[true]);
+        assert_eq!(t.unpin_all(&[0]).unwrap().to_vec(), [true]);
         assert_eq!(t.num_evictable(), 2);
+        // A chunk past the slots holds no pin: refused, the pins before it given back.
+        t.pin(0);
+        assert_eq!(t.unpin_all(&[0, 7]), Err(1));
+        assert_eq!(t.state(0), ChunkState::Ready(1));
+        t.validate().unwrap();
+    }
+
+    #[test]
+    fn unpin_all_answers_each_place_across_words() {
+        // 150 places over 75 slots (each listed twice, two pins each, the second drop frees
+        // a slot): places past 64 and past 128 (the answer's heap words) are told apart.
+        let n = 75u32;
+        let mut t = table(n);
+        for c in 0..n {
+            put(&mut t, c, &c.to_le_bytes());
+            t.pin(c);
+            t.pin(c);
+        }
+        let chunks: Vec<ChunkId> = (0..n).flat_map(|c| [c, c]).collect();
+        let zero = t.unpin_all(&chunks).unwrap();
+        let expected: Vec<bool> = (0..chunks.len()).map(|i| i % 2 == 1).collect();
+        assert_eq!(zero.to_vec(), expected);
+        let mut places = Vec::new();
+        zero.each_place(|i| places.push(i));
+        assert_eq!(
+            places,
+            (0..chunks.len()).filter(|i| i % 2 == 1).collect::<Vec<_>>()
+        );
+        assert!(!zero.get(chunks.len()));
+        assert_eq!(t.num_evictable(), n as usize);
         t.validate().unwrap();
     }
 
@@ -1988,8 +2086,8 @@ mod tests {
         t.drain_releases(|c| order.push(c));
         assert!(order.is_empty());
         assert_eq!(
-            t.unpin_all(&[0, 0, 1]).unwrap().as_slice(),
-            &[false, true, true]
+            t.unpin_all(&[0, 0, 1]).unwrap().to_vec(),
+            [false, true, true]
         );
         assert_eq!(t.num_evictable(), 2);
         t.validate().unwrap();

@@ -487,7 +487,7 @@ impl PolicyCore {
         };
         let changed = match m.slots.state(c) {
             ChunkState::Pending => m.slots.complete_store(c),
-            ChunkState::Ready(n) if n > 0 => m.slots.unpin_all(&[c]).is_ok_and(|z| z[0]),
+            ChunkState::Ready(n) if n > 0 => m.slots.unpin_all(&[c]).is_ok_and(|z| z.get(0)),
             _ => false,
         };
         if !changed {
