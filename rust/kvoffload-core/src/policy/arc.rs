@@ -114,7 +114,11 @@ impl ArcPolicy {
         } else {
             &self.t2_evictable
         };
-        let found = next_victim(&mut order.iter(&self.nodes, &mut held), protected);
+        let found = next_victim(
+            &mut order.iter(&self.nodes, &mut held),
+            protected,
+            &mut false,
+        );
         for c in held {
             let (order, nodes) = self.order_of_mut(l);
             order.remove(nodes, c);
@@ -276,6 +280,33 @@ impl ArcPolicy {
         order.push_last(nodes, chunk, seq, held);
     }
 
+    /// The end of an eviction whose `victims` come from both lists (`from_t2` of them from
+    /// T2), or none: each out of its list and onto its ghost list (then trimmed by the caller).
+    /// Out of line: the usual eviction takes all from one list.
+    #[cold]
+    #[inline(never)]
+    fn evict_mixed(&mut self, victims: &[ChunkId], from_t2: usize, keys: &Slots) {
+        let cap = self.capacity;
+        // The oldest ghosts that the pushes drop: their index words (large lists), as the
+        // trims after the pushes would.
+        for (ghost, pushes) in [
+            (GhostList::B1, victims.len() - from_t2),
+            (GhostList::B2, from_t2),
+        ] {
+            let drops = self.ghosts.to_drop(ghost, pushes, cap);
+            self.ghosts.prefetch_oldest_words(ghost, drops);
+        }
+        for &c in victims {
+            let ghost = if self.unlink(c) == List::T1 {
+                GhostList::B1
+            } else {
+                GhostList::B2
+            };
+            self.info[c as usize].evictable = false;
+            push_ghost_within(&mut self.ghosts, ghost, keys, c, cap);
+        }
+    }
+
     /// Adapt the target to a ghost hit on `key`; `false` when the key is no ghost.
     // Inlined into the store's and the touch's loops over their keys, most of which are no
     // ghosts: the probe inline, the target's update (on a hit) out of line.
@@ -314,19 +345,22 @@ impl ArcPolicy {
     }
 }
 
-/// The next evictable, unprotected entry of `it`.
+/// The next evictable, unprotected entry of `it`; `passed` set when it walks past a protected
+/// one.
 // Inlined into the eviction's scans, and a plain loop: `find`'s `try_fold` was kept out of
 // line, a call per victim (callgrind).
-#[allow(clippy::inline_always, clippy::manual_find)]
+#[allow(clippy::inline_always)]
 #[inline(always)]
 fn next_victim(
     it: &mut impl Iterator<Item = (u64, ChunkId)>,
     protected: &dyn Fn(ChunkId) -> bool,
+    passed: &mut bool,
 ) -> Option<ChunkId> {
     for (_, c) in it {
         if !protected(c) {
             return Some(c);
         }
+        *passed = true;
     }
     None
 }
@@ -469,6 +503,8 @@ impl CachePolicy for ArcPolicy {
         let start = out.len();
         // Held (pinned) entries the scans walk past; detached once the scans end.
         let (mut held1, mut held2) = (Vec::new(), Vec::new());
+        // Victims taken from T2, and whether each scan walked past a protected chunk.
+        let (mut from_t2, mut passed1, mut passed2) = (0, false, false);
         let found = {
             let floor_target = self.target as usize;
             let mut virtual_t1 = self.t1_len;
@@ -477,19 +513,21 @@ impl CachePolicy for ArcPolicy {
             (0..n).all(|_| {
                 let mut pick = None;
                 if virtual_t1 >= floor_target {
-                    pick = next_victim(&mut t1, protected).map(|c| (c, true));
+                    pick = next_victim(&mut t1, protected, &mut passed1).map(|c| (c, true));
                 }
                 if pick.is_none() {
-                    pick = next_victim(&mut t2, protected).map(|c| (c, false));
+                    pick = next_victim(&mut t2, protected, &mut passed2).map(|c| (c, false));
                 }
                 if pick.is_none() {
-                    pick = next_victim(&mut t1, protected).map(|c| (c, true));
+                    pick = next_victim(&mut t1, protected, &mut passed1).map(|c| (c, true));
                 }
                 let Some((c, is_t1)) = pick else {
                     return false;
                 };
                 if is_t1 {
                     virtual_t1 = virtual_t1.saturating_sub(1);
+                } else {
+                    from_t2 += 1;
                 }
                 out.push(c);
                 true
@@ -512,34 +550,51 @@ impl CachePolicy for ArcPolicy {
         self.ghosts.prefetch_oldest(GhostList::B1);
         self.ghosts.prefetch_oldest(GhostList::B2);
         let victims = &out[start..];
-        let first = victims
-            .first()
-            .map_or(List::None, |&c| self.info[c as usize].list);
         // All from one list (the usual eviction): out of its order in one step, which cuts a
         // prefix of it at once (see `SharedOrder::remove_all`); otherwise each is unlinked (a
         // victim of T1's scan is in T1 until then). (Unlinking all of them, even from one
-        // list, measured 2% more instructions a store.)
-        let one_list =
-            first != List::None && victims.iter().all(|&c| self.info[c as usize].list == first);
-        if one_list {
+        // list, measured 2% more instructions a store.) A scan's victims are in its list, so
+        // the scans tell which list holds them all, if one does.
+        let (first, passed) = if victims.is_empty() || (from_t2 != 0 && from_t2 != victims.len()) {
+            (List::None, true)
+        } else if from_t2 == 0 {
+            (List::T1, passed1)
+        } else {
+            (List::T2, passed2)
+        };
+        let cap = self.capacity;
+        // The index as long as pushing every victim before trimming would make it.
+        self.ghosts.reserve(victims.len());
+        if first == List::None {
+            self.evict_mixed(victims, from_t2, keys);
+        } else {
             let (order, nodes) = self.order_of_mut(first);
-            order.remove_all(nodes, victims);
-        }
-        for &c in victims {
-            let list = if one_list {
-                self.count_out(c, first);
-                first
+            // A scan of the list alone that passed no protected chunk took every member it met:
+            // the victims are its first members (the held entries it passed are out already).
+            if order.list_only() && !passed {
+                order.cut_prefix(nodes, victims);
             } else {
-                self.unlink(c)
-            };
-            let ghost = if list == List::T1 {
+                order.remove_all(nodes, victims);
+            }
+            // `count_out` of each, at once.
+            let ghost = if first == List::T1 {
+                self.t1_len -= victims.len();
                 GhostList::B1
             } else {
+                self.t2_len -= victims.len();
                 GhostList::B2
             };
-            self.info[c as usize].evictable = false;
-            push_ghost(&mut self.ghosts, ghost, keys, c);
+            // The oldest ghosts that the pushes drop: their index words (large lists), as the
+            // trim after the pushes would.
+            let drops = self.ghosts.to_drop(ghost, victims.len(), cap);
+            self.ghosts.prefetch_oldest_words(ghost, drops);
+            for &c in victims {
+                // In no list, and not evictable.
+                self.info[c as usize] = NO_INFO;
+                push_ghost_within(&mut self.ghosts, ghost, keys, c, cap);
+            }
         }
+        // Most pushes kept their list within the capacity; this trims what the others left.
         for list in [GhostList::B1, GhostList::B2] {
             self.ghosts.trim(list, self.capacity);
         }
@@ -601,6 +656,15 @@ impl CachePolicy for ArcPolicy {
             ensure!(
                 res == (l != List::None),
                 "arc: chunk {i} residency differs from the index"
+            );
+            // A key that becomes resident leaves the ghost lists (`insert`), and only a victim
+            // becomes a ghost: the eviction's pushes rely on it (`push_ghost_within`).
+            ensure!(
+                !res || self
+                    .ghosts
+                    .find(&refs.key(i as ChunkId), refs.hash(i as ChunkId))
+                    .is_none(),
+                "arc: chunk {i}'s key is resident and a ghost too"
             );
             let ev = res && refs.raw(i as ChunkId) == 0;
             ensure!(
@@ -677,8 +741,32 @@ impl CachePolicy for ArcPolicy {
     }
 }
 
+/// Push slot `c`'s key onto ghost list `list` and, when the list holds `keep` ghosts already,
+/// drop its oldest in the same step ([`GhostLists::push_within`]); otherwise (or when that
+/// declines) a plain [`push_ghost`], leaving the list for the caller to trim to `keep`.
+///
+/// A victim's key is never a ghost (`validate` checks it), so every push appends a new ghost,
+/// none moves one: dropping the oldest at each push, or once after all of them, keeps the same
+/// newest `keep`. (The plain push, when `push_within` declines for a word with the key's tag,
+/// meets another key's word.)
+// Inlined into the eviction's loops over their victims, the plain push out of line.
+#[allow(clippy::inline_always)]
+#[inline(always)]
+fn push_ghost_within(
+    ghosts: &mut GhostLists,
+    list: GhostList,
+    keys: &Slots,
+    c: ChunkId,
+    keep: usize,
+) {
+    if !ghosts.push_within(list, keys.hash(c), keep, || keys.inline_key(c)) {
+        push_ghost(ghosts, list, keys, c);
+    }
+}
+
 /// Push slot `c`'s key onto ghost list `list`: straight from the slot's inline buffer (one
 /// fixed-size copy) unless the key is longer.
+#[inline(never)]
 fn push_ghost(ghosts: &mut GhostLists, list: GhostList, keys: &Slots, c: ChunkId) {
     let hash = keys.hash(c);
     match keys.inline_key(c) {

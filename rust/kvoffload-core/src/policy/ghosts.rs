@@ -263,6 +263,132 @@ impl GhostLists {
         });
     }
 
+    /// When the lists are [`large`](Self::large) and more than one ghost of `list` is to go,
+    /// start loading the index words of its `count` oldest ghosts (walking them), so that the
+    /// misses of the drops overlap the walk's own; changes nothing.
+    #[inline]
+    pub(crate) fn prefetch_oldest_words(&self, list: GhostList, count: usize) {
+        if count > 1 && self.large() {
+            let mut e = self.lists[list as usize].head;
+            for _ in 0..count {
+                let Some(x) = self.entries.get(e as usize) else {
+                    break;
+                };
+                self.prefetch(x.hash);
+                e = x.next;
+            }
+        }
+    }
+
+    /// How many ghosts of `list` `pushes` new keys pushed onto it then trimmed to `keep` would
+    /// drop (the oldest ones), ARC's trim after an eviction's pushes: for
+    /// [`prefetch_oldest_words`](Self::prefetch_oldest_words) before the pushes.
+    pub(crate) fn to_drop(&self, list: GhostList, pushes: usize, keep: usize) -> usize {
+        (self.lists[list as usize].len + pushes).saturating_sub(keep)
+    }
+
+    /// Grow the index as `more` pushes of new keys would before any pop: a batch of pushes
+    /// made with [`push_within`](Self::push_within), which keeps the number of
+    /// ghosts down as it goes, leaves the index as long as pushes and then trims would.
+    pub(crate) fn reserve(&mut self, more: usize) {
+        let live = self.lists[0].len + self.lists[1].len;
+        while 2 * (live + more) > self.index.len() {
+            self.grow_index();
+        }
+    }
+
+    /// A push of a new key onto `list` when it holds `keep` ghosts or more already, then the
+    /// drop of its oldest ghost: what [`push_inline`](Self::push_inline) and then a
+    /// [`trim`](Self::trim) to `keep` would do to the lists, in one step (ARC's every eviction
+    /// once B1 has filled). The oldest ghost's entry takes the new key, so the free list and
+    /// the lists' lengths stay as they were; the index holds the words it would, some perhaps
+    /// at other places of their probe runs. `key` gives the key's inline bytes (zero past its
+    /// end) and length, or `None` for a key longer than [`INLINE_KEY`].
+    ///
+    /// Returns `false`, having changed nothing (and maybe not called `key`), when the list
+    /// holds fewer than `keep` ghosts or none, when the key is longer, or when an index word
+    /// of the key's probe run has its tag (it may be that key: [`push`](Self::push) decides).
+    // Inlined into ARC's eviction loop.
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
+    pub(crate) fn push_within(
+        &mut self,
+        list: GhostList,
+        hash: u64,
+        keep: usize,
+        key: impl FnOnce() -> Option<([u8; INLINE_KEY], usize)>,
+    ) -> bool {
+        let ends = self.lists[list as usize];
+        let e = ends.head;
+        if ends.len < keep || e == NIL {
+            return false;
+        }
+        // Below 64 always (`64 - log2` of the index's length): masked, the shifts need no check.
+        let shift = self.shift & 63;
+        let index = &mut self.index[..];
+        let mask = index.len() - 1;
+        let tag = hash >> 32;
+        let mut at = (hash >> shift) as usize;
+        loop {
+            let word = index[at];
+            if word == 0 {
+                break;
+            }
+            if word >> 32 == tag {
+                return false;
+            }
+            at = (at + 1) & mask;
+        }
+        let entries = &mut self.entries[..];
+        let Entry {
+            hash: old_hash,
+            len: old_len,
+            next,
+            ..
+        } = entries[e as usize];
+        let Some((buf, len)) = key() else {
+            return false;
+        };
+        // The new key into the head's entry (its links and list below).
+        let x = &mut entries[e as usize];
+        x.hash = hash;
+        x.key = buf;
+        x.len = len as u32;
+        // The new key's word in (the index stays at most half full with one word more: see
+        // `reserve`), then the head's old word out. Their tags differ (the walk above met no
+        // word with the new key's tag, and the old word is in its probe run if their homes are
+        // one), so the search finds the old word.
+        index[at] = (hash >> 32 << 32) | u64::from(e + 1);
+        let word = (old_hash >> 32 << 32) | u64::from(e + 1);
+        let mut w = (word >> shift) as usize;
+        while index[w] != word {
+            debug_assert!(index[w] != 0, "ghosts: an entry missing from the index");
+            w = (w + 1) & mask;
+        }
+        unindex_in(index, shift, w);
+        if old_len as usize > INLINE_KEY {
+            self.long.remove(&e);
+        }
+        // Out at the head, in at the tail: the list's length is unchanged.
+        let ends = &mut self.lists[list as usize];
+        let tail = if next == NIL {
+            // `e` was the only entry, and stays so.
+            NIL
+        } else {
+            entries[next as usize].prev = NIL;
+            let tail = ends.tail;
+            entries[tail as usize].next = e;
+            ends.head = next;
+            tail
+        };
+        ends.tail = e;
+        let x = &mut entries[e as usize];
+        x.prev = tail;
+        x.next = NIL;
+        x.list = list as u8;
+        true
+    }
+
     /// `push`, with `allocate` making the new entry when `key` is in neither list.
     fn push_with(
         &mut self,
@@ -295,18 +421,21 @@ impl GhostLists {
     /// Drop the oldest ghosts of `list` until at most `keep` remain. When the lists are
     /// [`large`](Self::large), a walk over those ghosts first starts loading each one's index
     /// word, so that those misses overlap the walk's own.
+    // The check inline (after ARC's pushes, which keep the lists within bounds, there is
+    // mostly nothing to drop), the drops out of line.
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     pub(crate) fn trim(&mut self, list: GhostList, keep: usize) {
-        let excess = self.lists[list as usize].len.saturating_sub(keep);
-        if excess > 1 && self.large() {
-            let mut e = self.lists[list as usize].head;
-            for _ in 0..excess {
-                let Some(x) = self.entries.get(e as usize) else {
-                    break;
-                };
-                self.prefetch(x.hash);
-                e = x.next;
-            }
+        if self.lists[list as usize].len > keep {
+            self.trim_over(list, keep);
         }
+    }
+
+    /// [`trim`](Self::trim) of a list longer than `keep`.
+    #[inline(never)]
+    fn trim_over(&mut self, list: GhostList, keep: usize) {
+        let excess = self.lists[list as usize].len.saturating_sub(keep);
+        self.prefetch_oldest_words(list, excess);
         for _ in 0..excess {
             self.pop_head(list);
         }
@@ -607,23 +736,8 @@ impl GhostLists {
     /// stays reachable from its home without passing an empty word.
     #[allow(clippy::inline_always)]
     #[inline(always)]
-    fn unindex(&mut self, mut at: usize) {
-        let mask = self.index.len() - 1;
-        let mut next = at;
-        loop {
-            next = (next + 1) & mask;
-            let word = self.index[next];
-            if word == 0 {
-                self.index[at] = 0;
-                return;
-            }
-            // `word` may fill the hole unless its home lies cyclically in (at, next].
-            let home = (word >> self.shift) as usize;
-            if (next.wrapping_sub(home) & mask) >= (next.wrapping_sub(at) & mask) {
-                self.index[at] = word;
-                at = next;
-            }
-        }
+    fn unindex(&mut self, at: usize) {
+        unindex_in(&mut self.index, self.shift, at);
     }
 
     /// Double the index, placing each word from its own hash bits.
@@ -641,6 +755,28 @@ impl GhostLists {
                 at = (at + 1) & mask;
             }
             self.index[at] = word;
+        }
+    }
+}
+
+/// [`GhostLists::unindex`] of `index`, whose words' homes are their top `64 - shift` bits.
+#[allow(clippy::inline_always)]
+#[inline(always)]
+fn unindex_in(index: &mut [u64], shift: u32, mut at: usize) {
+    let mask = index.len() - 1;
+    let mut next = at;
+    loop {
+        next = (next + 1) & mask;
+        let word = index[next];
+        if word == 0 {
+            index[at] = 0;
+            return;
+        }
+        // `word` may fill the hole unless its home lies cyclically in (at, next].
+        let home = (word >> shift) as usize;
+        if (next.wrapping_sub(home) & mask) >= (next.wrapping_sub(at) & mask) {
+            index[at] = word;
+            at = next;
         }
     }
 }
@@ -755,6 +891,44 @@ mod tests {
     }
 
     #[test]
+    fn push_within_recycles_the_oldest_entry() {
+        let inline = |k: &[u8]| {
+            let mut buf = [0; INLINE_KEY];
+            buf[..k.len()].copy_from_slice(k);
+            Some((buf, k.len()))
+        };
+        let mut g = GhostLists::new();
+        // Under the bound, or an empty list: declined, nothing changed.
+        g.push(B1, &long_key(0), hash_key(&long_key(0)));
+        assert!(!g.push_within(B1, hash_key(&key(9)), 2, || inline(&key(9))));
+        assert!(!g.push_within(B2, hash_key(&key(9)), 0, || inline(&key(9))));
+        for i in 1..4 {
+            g.push(B1, &key(i), hash_key(&key(i)));
+        }
+        g.push(B2, &key(7), hash_key(&key(7)));
+        let (slab, free) = (g.entries.len(), g.free);
+        // A long key at the head (its side entry goes), then short ones.
+        for (i, want) in [
+            (4, vec![key(1), key(2), key(3), key(4)]),
+            (5, vec![key(2), key(3), key(4), key(5)]),
+        ] {
+            assert!(g.push_within(B1, hash_key(&key(i)), 4, || inline(&key(i))));
+            assert_eq!(keys_of(&g, B1), want);
+            g.validate(hash_key).unwrap();
+        }
+        assert_eq!(g.long.len(), 0);
+        // A list of one, over its bound of zero: the entry takes the new key.
+        assert!(g.push_within(B2, hash_key(&key(8)), 0, || inline(&key(8))));
+        assert_eq!(keys_of(&g, B2), vec![key(8)]);
+        // A key too long to hand over inline: declined.
+        assert!(!g.push_within(B1, hash_key(&long_key(1)), 4, || None));
+        assert_eq!((g.entries.len(), g.free), (slab, free));
+        assert_eq!(g.find(&key(1), hash_key(&key(1))), None);
+        assert_eq!(g.find(&key(5), hash_key(&key(5))), Some(B1));
+        g.validate(hash_key).unwrap();
+    }
+
+    #[test]
     fn pushing_a_present_key_keeps_its_place() {
         let mut g = GhostLists::new();
         for i in 0..3 {
@@ -843,6 +1017,9 @@ mod tests {
         PopFront(bool),
         Find(usize),
         Clear,
+        /// `push_within` onto a list with this bound (a plain `push` when it declines).
+        PushWithin(bool, usize, usize),
+        Trim(bool, usize),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -853,6 +1030,8 @@ mod tests {
             3 => any::<bool>().prop_map(Op::PopFront),
             1 => (0..48usize).prop_map(Op::Find),
             1 => Just(Op::Clear),
+            6 => (any::<bool>(), 0..48usize, 0..8usize).prop_map(|(b, k, n)| Op::PushWithin(b, k, n)),
+            2 => (any::<bool>(), 0..8usize).prop_map(|(b, n)| Op::Trim(b, n)),
         ]
     }
 
@@ -896,6 +1075,36 @@ mod tests {
                     let list = if b2 { B2 } else { B1 };
                     let m = model[list as usize].pop_front();
                     assert_eq!(g.pop_front(list), m.is_some());
+                }
+                Op::PushWithin(b2, k, keep) => {
+                    if which(&model, k).is_none() {
+                        let list = if b2 { B2 } else { B1 };
+                        let key = &pool[k];
+                        let before = model[list as usize].len();
+                        let inline = || {
+                            (key.len() <= INLINE_KEY).then(|| {
+                                let mut buf = [0; INLINE_KEY];
+                                buf[..key.len()].copy_from_slice(key);
+                                (buf, key.len())
+                            })
+                        };
+                        if g.push_within(list, hash(key), keep, inline) {
+                            // A push and the drop of the oldest, of a list `keep` long or more.
+                            assert!(before >= keep && before > 0);
+                            model[list as usize].pop_front();
+                        } else {
+                            g.push(list, key, hash(key));
+                        }
+                        model[list as usize].push_back(k);
+                    }
+                }
+                Op::Trim(b2, keep) => {
+                    let list = if b2 { B2 } else { B1 };
+                    g.trim(list, keep);
+                    let m = &mut model[list as usize];
+                    while m.len() > keep {
+                        m.pop_front();
+                    }
                 }
                 Op::Find(k) => assert_eq!(g.find(&pool[k], hash(&pool[k])), which(&model, k)),
                 Op::Clear => {

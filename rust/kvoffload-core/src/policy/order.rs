@@ -523,6 +523,32 @@ impl<K: OrderKey> SharedOrder<K> {
             }
             return;
         }
+        self.cut(nodes, cs, at);
+    }
+
+    /// [`remove_all`](Self::remove_all) of `cs` that the caller knows to be the list's first
+    /// members in order (a scan of a list alone that took every member it met, the held
+    /// entries it passed removed since): cut at once, without checking.
+    pub(crate) fn cut_prefix(&mut self, nodes: &mut [Node<K>], cs: &[ChunkId]) {
+        let Some(&last) = cs.last() else {
+            return;
+        };
+        debug_assert!({
+            let mut at = self.head;
+            cs.iter().all(|&c| {
+                let here = at == c && self.place[c as usize] == Place::List;
+                at = nodes[c as usize].next;
+                here
+            })
+        });
+        let at = nodes[last as usize].next;
+        self.cut(nodes, cs, at);
+    }
+
+    /// Drop `cs`, the list's first members in order, `at` the entry after them.
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
+    fn cut(&mut self, nodes: &mut [Node<K>], cs: &[ChunkId], at: u32) {
         for &c in cs {
             self.place[c as usize] = Place::Out;
             if self.finger == c {
@@ -682,6 +708,12 @@ impl<K: OrderKey> SharedOrder<K> {
         true
     }
 
+    /// Whether the list alone holds the order's entries (no tree, no runs): a scan then walks
+    /// the list from its head.
+    pub(crate) fn list_only(&self) -> bool {
+        self.tree.is_empty() && self.run_groups.is_empty()
+    }
+
     /// Members in ascending `(key, chunk)` order. Held entries met on the way are appended to
     /// `held`; pass them to [`remove`](Self::remove) once the scan is over.
     pub(crate) fn iter<'a>(
@@ -697,7 +729,7 @@ impl<K: OrderKey> SharedOrder<K> {
             groups: self.run_groups.iter(),
             run: NIL,
             more_runs: !self.run_groups.is_empty(),
-            list_only: self.tree.is_empty() && self.run_groups.is_empty(),
+            list_only: self.list_only(),
             held,
         }
     }
@@ -1068,6 +1100,20 @@ mod tests {
         o.insert(7, 100);
         o.validate().unwrap();
         assert_eq!(order(&o), vec![6, 7]);
+        // `cut_prefix`, told so, cuts the same (the finger, at 5, goes with the whole list).
+        let mut o = build();
+        o.order.cut_prefix(&mut o.nodes, &[0, 1, 2]);
+        o.validate().unwrap();
+        assert_eq!((order(&o), o.len()), (vec![6, 3, 4, 5], 4));
+        o.order.cut_prefix(&mut o.nodes, &[]);
+        o.order.cut_prefix(&mut o.nodes, &[3, 4, 5]);
+        o.validate().unwrap();
+        assert_eq!(order(&o), vec![6]);
+        o.grow(9);
+        o.insert(7, 100);
+        o.insert(8, 99); // below the tail: next to the finger (7) if it is kept, else the tree
+        o.validate().unwrap();
+        assert_eq!(order(&o), vec![6, 8, 7]);
         // Not a prefix (a gap, the tree, out of order, held): one by one, the same result.
         for cs in [&[0, 2][..], &[6, 0], &[1, 0], &[0, 1]] {
             let mut o = build();
