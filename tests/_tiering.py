@@ -402,10 +402,12 @@ class TieringRun:
     batch: tuple[int, int] = (1, 8)
     #: After each step, compare the managers' state (off for timing: ``benches/vllm_tiering.py``).
     inspect: bool = True
-    #: Hold each manager's ``lock`` through every step, and sleep ``pause`` seconds between
-    #: steps: the scheduler's side of the contract with a tier-poll thread, which enters the
-    #: manager between steps (a run with one then is no longer deterministic: one manager).
+    #: Hold each manager's ``lock`` through every step: the scheduler's side of the contract
+    #: with a tier-poll thread, which enters the manager between steps (a run with one then is
+    #: no longer deterministic: one manager).
     locked: bool = False
+    #: Seconds to sleep between steps, as the model runs: the turn of a tier-poll thread, or of
+    #: a tier's own threads (`LiveFileSystemTier`).
     pause: float = 0.0
     history: list[str] = field(default_factory=list)
 
