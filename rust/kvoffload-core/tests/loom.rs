@@ -133,7 +133,7 @@ fn a_release_racing_the_writers_pin_and_drain_loses_no_pin() {
         assert_eq!(t.state(0), ChunkState::Ready(1));
         assert_eq!(t.num_evictable(), 0);
         assert!(applied <= 1);
-        assert_eq!(t.unpin_all(&[0]).unwrap().as_slice(), &[true]);
+        assert_eq!(t.unpin_all(&[0]).unwrap().to_vec(), [true]);
         t.validate().unwrap();
     });
 }
