@@ -32,6 +32,20 @@ VLLMS_POLICY = {
 }
 
 
+def _count_promotions(manager: Any) -> list[Any]:
+    """The keys promoted into ``manager``'s primary tier from now on (its ``prepare_write``
+    calls), as a list that grows as they come."""
+    promoted: list[Any] = []
+    write = manager.primary_tier.prepare_write
+
+    def counting_write(keys: Any, req_context: Any) -> Any:
+        promoted.extend(keys)
+        return write(keys, req_context)
+
+    manager.primary_tier.prepare_write = counting_write
+    return promoted
+
+
 @pytest.mark.parametrize("setup", sorted(_tiering.SETUPS))
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 @pytest.mark.parametrize("num_chunks", [6, 16, 40])
@@ -59,14 +73,7 @@ def test_the_fs_setup_runs_vllms_file_system_tier_on_real_files(oracle: Any) -> 
     roots = [t.root_dir for t in tiers]
     assert [os.path.basename(r) for r in roots] == list(names)
     assert len({os.path.dirname(r) for r in roots}) == 1
-    promoted = []
-    write = managers[1].primary_tier.prepare_write
-
-    def counting_write(keys: Any, req_context: Any) -> Any:
-        promoted.extend(keys)
-        return write(keys, req_context)
-
-    managers[1].primary_tier.prepare_write = counting_write
+    promoted = _count_promotions(managers[1])
     run = _tiering.TieringRun(oracle, managers, names, seed=3)
     run.run(40)
     assert run.check_data  # every load's bytes were checked
@@ -94,19 +101,15 @@ def test_vllms_file_system_tier_on_its_own_threads_keeps_the_primary_tier_sound(
     assert tier._lookup_manager._thread.is_alive()  # vLLM's lookup thread, not replaced
     path = manager.primary_tier._mmap_region.mmap_path
     seen: collections.Counter[str] = collections.Counter()
-    lookup, write = tier.lookup, manager.primary_tier.prepare_write
+    lookup = tier.lookup
 
     def counting_lookup(key: Any, req_context: Any) -> Any:
         result = lookup(key, req_context)
         seen[result.name] += 1
         return result
 
-    def counting_write(keys: Any, req_context: Any) -> Any:
-        seen["promoted"] += len(keys)
-        return write(keys, req_context)
-
     tier.lookup = counting_lookup
-    manager.primary_tier.prepare_write = counting_write
+    promoted = _count_promotions(manager)
     run = _tiering.TieringRun(oracle, [manager], [impl], seed=11, pause=0.002)
     assert run.check_data
     caplog.clear()  # the build's notes on out-of-tree code
@@ -117,7 +120,7 @@ def test_vllms_file_system_tier_on_its_own_threads_keeps_the_primary_tier_sound(
     assert not os.path.exists(tier.root_dir)
     assert seen["RETRY"]  # answers came late,
     assert seen["HIT"]  # then came
-    assert seen["promoted"]  # keys came back from the files, their bytes checked
+    assert promoted  # keys came back from the files, their bytes checked
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 

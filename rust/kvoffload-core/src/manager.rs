@@ -1549,10 +1549,7 @@ impl Manager {
                 j as u32
             };
             if mark_now {
-                let f = &mut req.seen[j as usize].flags;
-                if *f & INSERTED == 0 {
-                    *f |= REUSED;
-                }
+                mark_reused_flag(&mut req.seen[j as usize].flags);
             }
         }
         if !req.added.is_empty() {
@@ -1567,11 +1564,16 @@ impl Manager {
 fn mark_reused(req: &mut RequestState, call: &Call<'_>, reused: impl Iterator<Item = usize>) {
     for i in reused {
         if let Some(j) = call.slots[i] {
-            let f = &mut req.seen[j as usize].flags;
-            if *f & INSERTED == 0 {
-                *f |= REUSED;
-            }
+            mark_reused_flag(&mut req.seen[j as usize].flags);
         }
+    }
+}
+
+/// A recorded key's flags after a reuse: reused, unless the request inserted it.
+#[inline]
+fn mark_reused_flag(flags: &mut u8) {
+    if *flags & INSERTED == 0 {
+        *flags |= REUSED;
     }
 }
 

@@ -358,13 +358,8 @@ impl GhostLists {
         // `reserve`), then the head's old word out. Their tags differ (the walk above met no
         // word with the new key's tag, and the old word is in its probe run if their homes are
         // one), so the search finds the old word.
-        index[at] = (hash >> 32 << 32) | u64::from(e + 1);
-        let word = (old_hash >> 32 << 32) | u64::from(e + 1);
-        let mut w = (word >> shift) as usize;
-        while index[w] != word {
-            debug_assert!(index[w] != 0, "ghosts: an entry missing from the index");
-            w = (w + 1) & mask;
-        }
+        index[at] = index_word(hash, e);
+        let w = word_place(index, shift, index_word(old_hash, e));
         unindex_in(index, shift, w);
         if old_len as usize > INLINE_KEY {
             self.long.remove(&e);
@@ -412,7 +407,7 @@ impl GhostLists {
             }
             Err(at) => {
                 let e = allocate(self);
-                self.index[at] = (hash >> 32 << 32) | u64::from(e + 1);
+                self.index[at] = index_word(hash, e);
                 self.link_back(e, list);
             }
         }
@@ -455,16 +450,8 @@ impl GhostLists {
         if e == NIL {
             return false;
         }
-        let word = (self.entries[e as usize].hash >> 32 << 32) | u64::from(e + 1);
-        let mask = self.index.len() - 1;
-        let mut at = (word >> self.shift) as usize;
-        while self.index[at] != word {
-            debug_assert!(
-                self.index[at] != 0,
-                "ghosts: an entry missing from the index"
-            );
-            at = (at + 1) & mask;
-        }
+        let word = index_word(self.entries[e as usize].hash, e);
+        let at = word_place(&self.index, self.shift, word);
         self.unindex(at);
         // `e` is the head: the unlinking and the release of `unlink` and `release`, inline,
         // with what is known of a head (no older entry, `list`'s own).
@@ -757,6 +744,28 @@ impl GhostLists {
             self.index[at] = word;
         }
     }
+}
+
+/// The index word of entry `e` whose key hashes to `hash`: the hash's top 32 bits (the tag)
+/// over `e + 1` (so that no word is zero).
+#[allow(clippy::inline_always)]
+#[inline(always)]
+fn index_word(hash: u64, e: u32) -> u64 {
+    (hash >> 32 << 32) | u64::from(e + 1)
+}
+
+/// Where `word`, which `index` holds, lies: the search from its home (its top `64 - shift`
+/// bits).
+#[allow(clippy::inline_always)]
+#[inline(always)]
+fn word_place(index: &[u64], shift: u32, word: u64) -> usize {
+    let mask = index.len() - 1;
+    let mut at = (word >> shift) as usize;
+    while index[at] != word {
+        debug_assert!(index[at] != 0, "ghosts: an entry missing from the index");
+        at = (at + 1) & mask;
+    }
+    at
 }
 
 /// [`GhostLists::unindex`] of `index`, whose words' homes are their top `64 - shift` bits.
