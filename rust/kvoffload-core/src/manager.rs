@@ -1036,6 +1036,20 @@ impl Manager {
         req: &mut RequestState,
         positions: &[Option<i64>],
     ) -> Result<()> {
+        self.on_request_finished_vouched(req, positions, |_, _| false)
+    }
+
+    /// [`on_request_finished`](Self::on_request_finished) with the caller's word for some of
+    /// the chunks the request last saw its keys at: `vouched(i, c)` says that whenever slot `c`
+    /// holds a key, that key is the request's seen key `i` (as [`Hints::vouched`] does for a
+    /// whole call), so a resident `c` is taken without comparing its key. A wrong vouch can
+    /// make the policy move the wrong chunk: only a caller that knows may give one.
+    pub fn on_request_finished_vouched(
+        &mut self,
+        req: &mut RequestState,
+        positions: &[Option<i64>],
+        vouched: impl Fn(usize, ChunkId) -> bool,
+    ) -> Result<()> {
         self.apply_releases();
         if !self.is_current(req) || req.finished {
             return Ok(());
@@ -1060,7 +1074,7 @@ impl Manager {
                 // The chunk the request last saw the key at, if it still holds the key; else a
                 // lookup with the kept hash (no rehashing).
                 let chunk = Some(s.chunk)
-                    .filter(|&c| self.slots.holds_at(c, key))
+                    .filter(|&c| self.at_guess(c, key, vouched(i, c)))
                     .or_else(|| self.find(key, s.hash));
                 FinishedKey {
                     key,
@@ -2217,6 +2231,41 @@ mod tests {
             (vec![KeyBuf::from_slice(b"a")], vec![], vec![])
         );
         m.validate().unwrap();
+    }
+
+    #[test]
+    fn a_finish_takes_vouched_chunks_as_they_are_and_looks_the_rest_up() {
+        let keys: Vec<[u8; 4]> = (0..4u32).map(u32::to_le_bytes).collect();
+        let refs: Vec<&[u8]> = keys.iter().map(<[u8; 4]>::as_slice).collect();
+        for (_, kind) in PolicyKind::ALL {
+            // Keys 0-2 stored, key 3's store failed (its chunk free again), key 0 loaded once
+            // more; then the request finishes with every chunk vouched for, or none.
+            let run = |vouch: bool| {
+                let mut m = manager(8, kind);
+                let mut req = m.new_request_state();
+                m.prepare_store(&refs, None, &mut req).unwrap().unwrap();
+                m.complete_store(&refs[..3], true);
+                m.complete_store(&refs[3..], false);
+                m.prepare_load(&refs[..1], None, &mut req).unwrap();
+                m.complete_load(&refs[..1]).unwrap();
+                let asked = std::cell::RefCell::new(Vec::new());
+                m.on_request_finished_vouched(&mut req, &[None; 4], |i, c| {
+                    asked.borrow_mut().push((i, c));
+                    vouch
+                })
+                .unwrap();
+                m.validate().unwrap();
+                (m.policy_state(), m.resident(), asked.into_inner())
+            };
+            let (vouched, plain) = (run(true), run(false));
+            // The same outcome: a vouched chunk holds its key here, and key 3's (free) falls
+            // back to the lookup, which finds nothing.
+            assert_eq!((&vouched.0, &vouched.1), (&plain.0, &plain.1), "{kind:?}");
+            // Asked once a key, head to tail, with the chunk the request last saw it at.
+            let mut seen: Vec<usize> = vouched.2.iter().map(|&(i, _)| i).collect();
+            seen.sort_unstable();
+            assert_eq!(seen, [0, 1, 2, 3], "{kind:?}");
+        }
     }
 
     #[test]

@@ -193,6 +193,14 @@ impl RequestState {
         fits
     }
 
+    /// The cache generation this state belongs to. Within one generation the seen keys only
+    /// grow (a call that fails takes back only what it added), so a caller that read them once
+    /// may trust that prefix while the generation and the state's owner stay the same.
+    #[must_use]
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
     /// Whether `on_request_finished` has run for this state.
     #[must_use]
     pub fn is_finished(&self) -> bool {

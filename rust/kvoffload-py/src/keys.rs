@@ -450,69 +450,78 @@ fn plain_position<'py>(
     })
 }
 
-/// Dict entries [`DictWalk`] looks at past its place for the next key before it gives up on
+/// Dict entries [`walk_dict`] looks at past its place for the next key before it gives up on
 /// that key.
 const WALK_AHEAD: usize = 4;
-/// Keys in a row that [`DictWalk`] may fail to find before it stops looking for the rest.
+/// Keys in a row that [`walk_dict`] may fail to find before it stops looking for the rest.
 const WALK_MISSES: u32 = 3;
 
 /// Reads the values of keys that a positions dict holds in the order they are asked for (a
 /// scheduler records a request's block positions in prefix order, and offers its blocks in the
-/// same order), by walking the dict's entries (`PyDict_Next`) instead of looking each key up.
+/// same order), by walking the dict's entries (`PyDict_Next`) from `at` instead of looking each
+/// key up; one pass over `keys` in one critical section of the dict (no Python code runs in
+/// it). Pushes each key's position to `out`, or `None` when the walk did not read it, and
+/// then its index to `unread`; returns where the walk stopped.
 ///
 /// An entry is taken only when its key *is* the object asked for, and only for exact `bytes`
 /// objects, whose hash and equality cannot be overridden: a dict holds at most one key equal
-/// to such an object, so a lookup would find that very entry. Anything else (the key not a
-/// few entries ahead, a value that is not a plain int) answers `None` and the caller looks the
-/// key up as usual; after [`WALK_MISSES`] such keys in a row the walk stops looking, so a
-/// dict in another order costs a bounded few probes a call.
-struct DictWalk {
-    /// The `PyDict_Next` position after the last entry taken.
-    at: isize,
-    misses: u32,
-}
-
-impl DictWalk {
-    fn new(at: isize) -> Self {
-        Self { at, misses: 0 }
-    }
-
-    /// `key`'s plain value, if the walk finds its entry.
-    #[inline]
-    fn next(&mut self, pos: &Bound<'_, PyDict>, key: &Bound<'_, PyAny>) -> Option<Plain> {
-        use pyo3::ffi;
-        if self.misses >= WALK_MISSES || !key.is_exact_instance_of::<PyBytes>() {
-            return None;
-        }
-        let found = pyo3::sync::critical_section::with_critical_section(pos.as_any(), || {
-            let mut at = self.at;
-            for _ in 0..WALK_AHEAD {
-                let mut k = std::ptr::null_mut();
-                let mut v = std::ptr::null_mut();
-                // SAFETY: `pos` is a live dict; `PyDict_Next` accepts any position (past the
-                // end or negative: no entry) and returns borrowed references, which the
-                // critical section keeps alive while they are read. It runs no Python code.
-                if unsafe { ffi::PyDict_Next(pos.as_ptr(), &raw mut at, &raw mut k, &raw mut v) }
-                    == 0
-                {
-                    return None;
+/// to such an object, so a lookup would find that very entry. Anything else (the key not
+/// [`WALK_AHEAD`] entries ahead, a value that is not a plain int) is left unread for the
+/// caller to look up as usual; after [`WALK_MISSES`] keys in a row that the walk did not find
+/// it stops looking, so a dict in another order costs a bounded few probes a call.
+fn walk_dict<T>(
+    pos: &Bound<'_, PyDict>,
+    keys: &[Bound<'_, T>],
+    mut at: isize,
+    out: &mut Recycled<Option<i64>>,
+    unread: &mut Recycled<usize>,
+) -> isize {
+    use pyo3::ffi;
+    let bytes_type = std::ptr::addr_of_mut!(ffi::PyBytes_Type);
+    pyo3::sync::critical_section::with_critical_section(pos.as_any(), || {
+        let mut misses = 0;
+        for (i, key) in keys.iter().enumerate() {
+            let key = key.as_ptr();
+            // SAFETY: a live object (the caller holds it): its type is readable.
+            let exact = unsafe { ffi::Py_TYPE(key) } == bytes_type;
+            let mut found = None;
+            if misses < WALK_MISSES && exact {
+                let mut next = at;
+                for _ in 0..WALK_AHEAD {
+                    let mut k = std::ptr::null_mut();
+                    let mut v = std::ptr::null_mut();
+                    // SAFETY: `pos` is a live dict; `PyDict_Next` accepts any position (past
+                    // the end or negative: no entry) and returns borrowed references, which
+                    // the critical section keeps alive while they are read. It runs no Python
+                    // code.
+                    if unsafe {
+                        ffi::PyDict_Next(pos.as_ptr(), &raw mut next, &raw mut k, &raw mut v)
+                    } == 0
+                    {
+                        break;
+                    }
+                    if k == key {
+                        at = next;
+                        // SAFETY: `v` is live (above).
+                        found = Some(unsafe { plain_value(v) });
+                        break;
+                    }
                 }
-                if k == key.as_ptr() {
-                    // SAFETY: `v` is live (above).
-                    return Some((at, unsafe { plain_value(v) }));
+                if found.is_some() {
+                    misses = 0;
+                } else {
+                    misses += 1;
                 }
             }
-            None
-        });
-        if let Some((at, value)) = found {
-            self.at = at;
-            self.misses = 0;
-            value
-        } else {
-            self.misses += 1;
-            None
+            if let Some(Plain(p)) = found.flatten() {
+                out.push(p);
+            } else {
+                out.push(None);
+                unread.push(i);
+            }
         }
-    }
+    });
+    at
 }
 
 /// A result class and its `__new__`, looked up once: [`build`](Self::build) makes bare instances.
@@ -803,29 +812,26 @@ impl<'py> Context<'py> {
     }
 
     /// Positions of `keys`, in order, walking the positions dict from `*cursor` (a
-    /// `PyDict_Next` position; see [`DictWalk`]) and leaving `*cursor` after the last entry
-    /// the walk took.
-    pub(crate) fn positions_walking<'a>(
+    /// `PyDict_Next` position; see [`walk_dict`]) and leaving `*cursor` after the last entry
+    /// the walk took. The keys the walk did not read are looked up after it, in order.
+    pub(crate) fn positions_walking<T>(
         &self,
-        keys: impl ExactSizeIterator<Item = &'a Bound<'py, PyAny>>,
+        keys: &[Bound<'py, T>],
         cursor: &mut isize,
-    ) -> PyResult<Recycled<Option<i64>>>
-    where
-        'py: 'a,
-    {
-        let mut walk = DictWalk::new(*cursor);
+    ) -> PyResult<Recycled<Option<i64>>> {
         let mut positions = Recycled::with_capacity(keys.len());
-        for k in keys {
-            let walked = match &self.dicts {
-                Some((_, pos)) => walk.next(pos, k),
-                None => None,
-            };
-            positions.push(match walked {
-                Some(Plain(p)) => p,
-                None => self.position(k)?,
-            });
+        let Some((_, pos)) = &self.dicts else {
+            for k in keys {
+                positions.push(self.position(k.as_any())?);
+            }
+            return Ok(positions);
+        };
+        let mut unread = Recycled::with_capacity(0);
+        let at = walk_dict(pos, keys, *cursor, &mut positions, &mut unread);
+        for &i in &unread {
+            positions[i] = self.position(keys[i].as_any())?;
         }
-        *cursor = walk.at;
+        *cursor = at;
         Ok(positions)
     }
 
@@ -839,7 +845,6 @@ impl<'py> Context<'py> {
         if !self.may_have_positions() {
             return Ok(None);
         }
-        self.positions_walking(keys.iter().map(Bound::as_any), cursor)
-            .map(Some)
+        self.positions_walking(keys, cursor).map(Some)
     }
 }

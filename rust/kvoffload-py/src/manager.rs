@@ -463,6 +463,15 @@ impl From<StateLockError> for LockError {
 /// new keys meanwhile.
 const FINISH_TRIES: usize = 4;
 
+/// What `on_request_finished` read of a request before it locks the manager: the positions of
+/// its seen keys, the object each was asked for with (`objs[j]` holds seen key `j`'s bytes),
+/// and the state's cache generation then.
+struct FinishRead<'py> {
+    positions: Recycled<Option<i64>>,
+    objs: Recycled<Bound<'py, PyAny>>,
+    generation: u64,
+}
+
 /// A manager's lock, held by the forking thread from just before a fork to just after it.
 struct ForkHold {
     /// Declared first, so dropped (the lock released) before `owner`.
@@ -946,17 +955,18 @@ impl ManagerCore {
     /// Positions of a finishing request's seen keys, asked of the context with the key object
     /// each was first offered as (a fresh `bytes` where none is kept). `None`: the state is
     /// stale or finished. The context is read while no lock is held.
-    fn finish_positions(
+    fn finish_positions<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         ctx: &Context<'_>,
         state: &Bound<'_, RequestState>,
-    ) -> PyResult<Option<Recycled<Option<i64>>>> {
+    ) -> PyResult<Option<FinishRead<'py>>> {
         let st = state.get();
         let found = self.with_state(py, st, |m, s| {
             (m.is_current(s) && !s.is_finished()).then(|| {
                 let objs = st.objs.lock().ok();
-                s.seen_keys()
+                let keys = s
+                    .seen_keys()
                     .enumerate()
                     .map(|(j, key)| {
                         let kept = objs
@@ -968,10 +978,11 @@ impl ManagerCore {
                             _ => Err(key.to_vec()),
                         }
                     })
-                    .collect::<Recycled<_>>()
+                    .collect::<Recycled<_>>();
+                (keys, s.generation())
             })
         })?;
-        let Some(mut found) = found else {
+        let Some((mut found, generation)) = found else {
             return Ok(None);
         };
         // Fresh objects for the keys kept as bytes, then one walk of the dict from its start.
@@ -982,7 +993,12 @@ impl ManagerCore {
                 Err(bytes) => PyBytes::new(py, &bytes).into_any(),
             })
             .collect();
-        ctx.positions_walking(objs.iter(), &mut 0).map(Some)
+        let positions = ctx.positions_walking(&objs, &mut 0)?;
+        Ok(Some(FinishRead {
+            positions,
+            objs,
+            generation,
+        }))
     }
 
     /// `prepare_store`'s answer for `out`: the keys to store (the call's objects `objs`), the
@@ -1537,17 +1553,36 @@ impl ManagerCore {
         // Positions are read (Python) while no lock is held; should the request record new
         // keys meanwhile (another thread, or the context's own callbacks), they are read again.
         for _ in 0..FINISH_TRIES {
-            let Some(positions) = self.finish_positions(py, &ctx, &state)? else {
+            let Some(read) = self.finish_positions(py, &ctx, &state)? else {
                 return Ok(());
             };
+            let FinishRead {
+                positions,
+                objs,
+                generation,
+            } = &read;
+            let addrs: Recycled<usize> = objs.iter().map(|o| o.as_ptr() as usize).collect();
             let (done, raised) =
                 self.policy_call(py, Some(ctx.object()), &[], Some(state.get()), |m, s| {
                     let s = s.expect("state given");
-                    let grown = m.is_current(s)
-                        && !s.is_finished()
-                        && s.seen_keys().len() != positions.len();
-                    (!grown).then(|| m.on_request_finished(s, &positions))
+                    let current = m.is_current(s) && !s.is_finished();
+                    // Renewed by a reset since the read, or grown: read again.
+                    let moved =
+                        s.generation() != *generation || s.seen_keys().len() != positions.len();
+                    if current && moved {
+                        return None;
+                    }
+                    // Seen key `j` is the one read, whose bytes `objs[j]` holds. A chunk that
+                    // keeps that very object holds those bytes whenever it holds a key (the
+                    // rule `Core::guesses` vouches by): its key need not be compared.
+                    let Core { manager, keys, .. } = m;
+                    Some(manager.on_request_finished_vouched(s, positions, |j, c| {
+                        keys.get(c as usize)
+                            .and_then(Option::as_ref)
+                            .is_some_and(|o| o.as_ptr() as usize == addrs[j])
+                    }))
                 })?;
+            drop(read);
             if let Some(done) = done {
                 return settle(py, done, raised);
             }

@@ -24,7 +24,7 @@ pub(crate) struct RequestState {
     /// bytes (`None`, or out of step after a race on one context: the bytes are used instead).
     pub(crate) objs: Mutex<Vec<Option<Py<PyBytes>>>>,
     /// Where the request's last recording call left its walk of the context's positions dict
-    /// (a hint: see `keys::DictWalk`).
+    /// (a hint: see `keys::walk_dict`).
     pub(crate) cursor: AtomicIsize,
     /// The mark of the thread holding `inner` while a Python cache policy runs (0: none). That
     /// thread must not lock `inner` again (from inside the policy): it would wait on itself.
