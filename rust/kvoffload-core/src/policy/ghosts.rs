@@ -814,6 +814,12 @@ mod tests {
         k
     }
 
+    /// `key`'s inline bytes and length as `push_within` takes them (`None`: longer).
+    fn inline(key: &[u8]) -> Option<([u8; INLINE_KEY], usize)> {
+        let mut buf = [0; INLINE_KEY];
+        crate::key::copy_inline(&mut buf, key).then_some((buf, key.len()))
+    }
+
     fn keys_of(g: &GhostLists, list: GhostList) -> Vec<Vec<u8>> {
         g.keys(list).map(<[u8]>::to_vec).collect()
     }
@@ -901,11 +907,6 @@ mod tests {
 
     #[test]
     fn push_within_recycles_the_oldest_entry() {
-        let inline = |k: &[u8]| {
-            let mut buf = [0; INLINE_KEY];
-            buf[..k.len()].copy_from_slice(k);
-            Some((buf, k.len()))
-        };
         let mut g = GhostLists::new();
         // Under the bound, or an empty list: declined, nothing changed.
         g.push(B1, &long_key(0), hash_key(&long_key(0)));
@@ -1090,14 +1091,7 @@ mod tests {
                         let list = if b2 { B2 } else { B1 };
                         let key = &pool[k];
                         let before = model[list as usize].len();
-                        let inline = || {
-                            (key.len() <= INLINE_KEY).then(|| {
-                                let mut buf = [0; INLINE_KEY];
-                                buf[..key.len()].copy_from_slice(key);
-                                (buf, key.len())
-                            })
-                        };
-                        if g.push_within(list, hash(key), keep, inline) {
+                        if g.push_within(list, hash(key), keep, || inline(key)) {
                             // A push and the drop of the oldest, of a list `keep` long or more.
                             assert!(before >= keep && before > 0);
                             model[list as usize].pop_front();
